@@ -1,0 +1,1 @@
+"""qrun: quantized LLM inference runtime."""

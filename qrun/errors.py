@@ -1,0 +1,13 @@
+"""Errors qrun raises for bad input. Each message names the problem and the fix."""
+
+
+class QrunError(Exception):
+    """Base class: the CLI prints these as one line, without a traceback."""
+
+
+class ModelLoadError(QrunError):
+    """A model source is missing, corrupt, or of an unsupported kind."""
+
+
+class RequestError(QrunError, ValueError):
+    """A request can never be served (too long for the context or the KV cache)."""
