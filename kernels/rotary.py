@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+def rotary_cos_sin(inv_freq: list[float], max_positions: int, device: torch.device | str) -> torch.Tensor:
     """[max_positions, D] table: cos in the first D/2 columns, sin in the last D/2 (float32)."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq.float())
+    positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, torch.tensor(inv_freq, dtype=torch.float32, device=device))
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 

@@ -121,9 +121,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32)
-        # Positions beyond max_model_len are rejected before they reach the model.
-        self.register_buffer("cos_sin", rotary_cos_sin(inv_freq, config.max_model_len), persistent=False)
+        # Positions beyond max_model_len are rejected before they reach the model. The device is
+        # explicit so the table is real even when the weights are built on the meta device.
+        self.register_buffer("cos_sin", rotary_cos_sin(config.rope_inv_freq(), config.max_model_len, device),
+                             persistent=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -1,0 +1,172 @@
+"""Building a ready-to-run model and tokenizer from any model source.
+
+Weights stream in one tensor at a time onto a model built on the meta device, so loading
+never holds two full copies of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from qrun.config import ModelConfig
+from qrun.errors import ModelLoadError
+from qrun.model import Transformer
+from qrun.sources import ModelSource, resolve
+from qrun.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint entries that carry no weights of ours (precomputed RoPE tables in old exports).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: ModelSource
+    hf_config: dict
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.cos_sin.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on GPUs that support it (fp16 on older ones), float32 on the CPU.
+
+    On the CPU float32 is both exact and, for unquantized weights on most x86 CPUs, as fast as
+    bfloat16; quantized weights choose their own compute type.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder} has no config.json; is this a Hugging Face model folder?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path} is not valid JSON ({err}); re-download the model") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object; re-download the model")
+    return config
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ModelLoadError(f"{index} is malformed ({err}); re-download the model") from None
+        files = [folder / shard for shard in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder} lacks weight shards {', '.join(missing)} named by its index")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights (other weight formats are not supported)")
+    return files
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as shard:
+                for name in shard.keys():
+                    yield name, shard.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise ModelLoadError(f"{file} is truncated or corrupt ({err}); re-download it") from None
+
+
+def _source_parts(source: ModelSource):
+    """(hf config dict, tensor iterator factory, tokenizer factory) for a source."""
+    if source.kind == "gguf":
+        from qrun.gguf import open_gguf
+
+        gguf = open_gguf(source.path)
+        return (gguf.hf_config, gguf.tensors,
+                lambda eos: Tokenizer(gguf.tokenizer(), gguf.tokenizer_config, eos))
+    hf = read_hf_config(source.path)
+    return (hf, lambda: iter_safetensors(source.path),
+            lambda eos: Tokenizer.from_folder(source.path, eos))
+
+
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Assign checkpoint tensors (Hugging Face names) to the parameters of a meta-device model."""
+    params = dict(model.named_parameters())
+    expected = set(params)
+    if getattr(model.config, "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")
+    loaded: set[str] = set()
+    for hf_name, tensor in tensors:
+        name = hf_name.removeprefix("model.")
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in params:
+            if name == "lm_head.weight":  # a tied model may still ship its head
+                continue
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} does not belong to this architecture")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ModelLoadError(
+                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(params[name].shape)}"
+            )
+        # Packed integer tensors of quantized layers keep their own dtype.
+        target = dtype if params[name].is_floating_point() else params[name].dtype
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr,
+                nn.Parameter(tensor.to(device=device, dtype=target), requires_grad=False))
+        loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}; is it complete?")
+    model.tie_weights()
+
+
+def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "auto") -> LoadedModel:
+    """Resolve, load and return the model and tokenizer, ready for inference."""
+    source = resolve(model)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    hf_config, tensors, make_tokenizer = _source_parts(source)
+    config = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        net = Transformer(config, device=torch_device)
+    load_weights(net, tensors(), torch_dtype, torch_device)
+    net.eval().requires_grad_(False)
+    return LoadedModel(net, config, make_tokenizer(list(config.eos_token_ids)), source, hf_config)

@@ -1,0 +1,121 @@
+"""Text <-> token ids, chat templates, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from qrun.errors import ModelLoadError, QrunError
+
+# Used when a model ships no chat template: plain "role: content" turns.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict[str, Any],
+                 eos_token_ids: list[int]):
+        self._tok = tokenizer
+        self.bos_token = _token_text(tokenizer_config.get("bos_token"))
+        self.eos_token = _token_text(tokenizer_config.get("eos_token"))
+        self.chat_template: str | None = tokenizer_config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values()), None))
+        ids = list(eos_token_ids)
+        eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        if eos_id is not None and eos_id not in ids:
+            ids.append(eos_id)
+        self.eos_token_ids = ids
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = set(tokenizer.get_added_tokens_decoder())
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: list[int]) -> "Tokenizer":
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{folder} has no tokenizer.json; copy the tokenizer files from the original model into it"
+            )
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as err:
+            raise ModelLoadError(f"{path} is not a valid tokenizer file ({err})") from None
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        generation = folder / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            for token_id in [eos] if isinstance(eos, int) else (eos or []):
+                if token_id not in eos_token_ids:
+                    eos_token_ids = [*eos_token_ids, token_id]
+        return cls(tok, config, eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Render `messages` with the model's template (or `template`) in a jinja2 sandbox."""
+        source = template or self.chat_template or FALLBACK_CHAT_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            return env.from_string(source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except TemplateError as err:
+            raise QrunError(f"the chat template rejected the conversation: {err}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding token by token breaks multi-byte characters and word-boundary spaces, so each
+    delta is the difference between decoding a short trailing window with and without the
+    newest tokens; a delta ending in an incomplete character is held back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-4:])  # context so the first token decodes with its leading space
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
