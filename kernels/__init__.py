@@ -12,18 +12,18 @@ from types import SimpleNamespace
 
 import torch
 
-from qrun.kernels.cache_ops import store_kv_ref
-from qrun.kernels.norm import rms_norm_ref
-from qrun.kernels.paged_attention import paged_attention_ref
-from qrun.kernels.rotary import apply_rotary_ref, rotary_cos_sin
+from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
+from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
+from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
 
 _CHOICES = ("auto", "torch", "triton")
 
 IMPLEMENTATIONS: dict[str, dict[str, object]] = {
-    "paged_attention": {"torch": paged_attention_ref},
-    "store_kv": {"torch": store_kv_ref},
-    "rms_norm": {"torch": rms_norm_ref},
-    "apply_rotary": {"torch": apply_rotary_ref},
+    "paged_attention": {"torch": paged_attention_ref, "triton": paged_attention_triton},
+    "store_kv": {"torch": store_kv_ref, "triton": store_kv_triton},
+    "rms_norm": {"torch": rms_norm_ref, "triton": rms_norm_triton},
+    "apply_rotary": {"torch": apply_rotary_ref, "triton": apply_rotary_triton},
 }
 
 

@@ -71,3 +71,279 @@ def paged_attention_ref(
             q[rows].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         ).transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton implementation
+# ---------------------------------------------------------------------------------------------
+#
+# One kernel serves prefill chunks and decodes alike (and a batch mixing them, in one launch).
+# A program owns BLOCK_Q consecutive query tokens of one sequence and *all* the query heads of
+# one KV head: its BLOCK_M rows are (token, head-in-group) pairs, row r = token r // QPK, head
+# r % QPK. So each K/V tile read from the cache serves every query head that shares it (GQA),
+# and a decode (1 token) still fills the 16 rows tl.dot needs once QPK heads are packed in.
+# The program walks the sequence's KV tiles of BLOCK_N keys through the block table with an
+# online softmax (running max m, running sum l, fp32 accumulator); no score matrix exists
+# beyond one [BLOCK_M, BLOCK_N] tile.
+#
+# Grid axis 0 needs no device sync: sequence s gets the program slots
+#   query_start_loc[s] // BLOCK_Q + s  ..  query_start_loc[s + 1] // BLOCK_Q + s  (inclusive),
+# at least cdiv(n_s, BLOCK_Q) of them, so T // BLOCK_Q + S slots cover every sequence and a
+# program finds its sequence by binary search over query_start_loc (surplus slots exit).
+#
+# Split-K (flash-decoding): with few programs and long contexts the GPU would idle, so grid
+# axis 2 splits each program's KV range into NUM_SPLITS contiguous chunks of tiles. Each split
+# writes its unnormalised partial (acc, m, l) to fp32 scratch and a second kernel merges them.
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with query_start_loc[s] // BLOCK_Q + s <= slot (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if start // BLOCK_Q + mid <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    num_seqs, scale_log2, tiles_per_split,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_pat, stride_pah, stride_pas,
+    stride_pmt, stride_pmh, stride_pms,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, QPK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_loc_ptr, slot, num_seqs - 1, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block_start = (slot - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_block_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_before = seq_len - q_len  # cached tokens before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block_start + rows // QPK  # token index within the sequence's query chunk
+    head = kv_head * QPK + rows % QPK
+    row_valid = (rows // QPK < BLOCK_Q) & (tok < q_len)
+    q_pos = context_before + tok  # absolute position; attends keys 0 ..= q_pos
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # Keys this block needs: up to the last valid query's position.
+    kv_len = context_before + tl.minimum(q_block_start + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    cols = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * BLOCK_N + cols
+        key_valid = key_pos < kv_len
+        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        in_block = key_pos % BLOCK_SIZE
+        kv_mask = key_valid[None, :] & dim_valid[:, None]
+        k_offs = block[None, :] * stride_kb + in_block[None, :] * stride_kt + kv_head * stride_kh + dims[:, None]
+        k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0)  # [D, BLOCK_N]
+        v_offs = block[:, None] * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+        v = tl.load(v_cache_ptr + v_offs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, D]
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # log2 domain
+        allowed = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no allowed key in a tile (causal edge, or a whole split): keep the
+        # reference point finite so exp2 gives 0, not NaN.
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        t64 = (q_start + tok).to(tl.int64)
+        a_offs = t64[:, None] * stride_pat + head[:, None] * stride_pah + split * stride_pas + dims[None, :]
+        tl.store(part_acc_ptr + a_offs, acc, mask=out_mask)
+        ml_offs = t64 * stride_pmt + head * stride_pmh + split * stride_pms
+        tl.store(part_ml_ptr + ml_offs, tl.where(l_i > 0, m_i, float("-inf")), mask=row_valid)
+        tl.store(part_ml_ptr + ml_offs + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr,
+    stride_pat, stride_pah, stride_pas,
+    stride_pmt, stride_pmh, stride_pms,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    ml = part_ml_ptr + token * stride_pmt + head * stride_pmh + splits * stride_pms
+    m = tl.load(ml, mask=split_valid, other=float("-inf"))
+    l = tl.load(ml + 1, mask=split_valid, other=0.0)
+    m_max = tl.max(m, 0)  # finite: every query sees at least its own key in some split
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
+    a_offs = token * stride_pat + head * stride_pah + splits[:, None] * stride_pas + dims[None, :]
+    acc = tl.load(part_acc_ptr + a_offs, mask=(w > 0)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+_SM_COUNTS: dict[int, int] = {}
+# Tests set this to force a split count (None: the heuristic decides).
+_FORCE_SPLITS: int | None = None
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number keeps the heuristic exercised
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _num_kv_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
+    """How many KV chunks each program's work is split into (1: no split-K).
+
+    Split only when the un-split grid fills less than one wave of the GPU, and keep each split
+    at least 4 tiles long so writing and merging its fp32 partial stays small next to the K/V
+    it reads. A power of two, so few variants get compiled.
+    """
+    if _FORCE_SPLITS is not None:
+        return _FORCE_SPLITS
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    want = triton.cdiv(2 * sms, programs)
+    most = triton.cdiv(max_seq_len, block_n) // 4
+    splits = min(want, most, 64)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
+
+
+def _is_interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton flash attention over the paged cache; same contract as `paged_attention_ref`."""
+    if out is None:
+        out = torch.empty_like(q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
+    qpk = num_q_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+
+    # Rows per program: BLOCK_Q tokens x QPK heads, padded to a power of two >= 16.
+    target_rows = 16 if max_query_len <= 1 else (64 if head_dim_pad <= 128 else 32)
+    block_m = max(target_rows, triton.next_power_of_2(qpk))
+    block_q = max(1, min(block_m // qpk, max_query_len))
+    block_m = max(16, triton.next_power_of_2(block_q * qpk))
+    block_n = 64 if head_dim_pad <= 128 else 32
+
+    slots = num_tokens // block_q + num_seqs
+    splits = _num_kv_splits(slots * num_kv_heads, max_seq_len, block_n, q.device)
+    tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), splits)
+    interpreted = _is_interpreted(_paged_attn_kernel)
+    dot_f32 = interpreted and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+
+    if splits > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_q_heads, splits, 2, dtype=torch.float32, device=q.device)
+        pa_strides = part_acc.stride()[:3]
+        pm_strides = part_ml.stride()[:3]
+    else:
+        part_acc = part_ml = out  # unused
+        pa_strides = pm_strides = (0, 0, 0)
+
+    gpu_kwargs = {} if interpreted else {"num_warps": 4, "num_stages": 2}
+    _paged_attn_kernel[(slots, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, part_acc, part_ml,
+        num_seqs, scale * _LOG2E, tiles_per_split,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *pa_strides, *pm_strides,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, QPK=qpk,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
+        # fp32 caches get exact fp32 products, not TF32 (which would cost ~3 digits).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **gpu_kwargs,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_acc, part_ml, out,
+            *pa_strides, *pm_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+    return out

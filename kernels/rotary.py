@@ -23,3 +23,73 @@ def apply_rotary_ref(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton implementation: one program per token loads its cos/sin row once and rotates all its
+# query and key heads (one launch for both), computing in float32 like the reference.
+# ---------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, token, stride_s, stride_sh, stride_d, stride_dh, cos, sin,
+                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                  HALF_PAD: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (cols < HALF)
+    src = src_ptr + token * stride_s + heads * stride_sh + cols
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + token * stride_d + heads * stride_dh + cols
+    ty = dst_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    cs = cos_sin_ptr + pos * stride_cs + cols
+    cos = tl.load(cs, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
+                  NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
+                  NUM_K_HEADS, K_HEADS_PAD, HALF, HALF_PAD)
+
+
+def apply_rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `apply_rotary_ref`: new rotated (q, k), inputs untouched."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert head_dim % 2 == 0 and cos_sin.shape[-1] == head_dim, "rotary spans the whole head"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        q, k, q_out, k_out, positions, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+    )
+    return q_out, k_out
