@@ -1,0 +1,182 @@
+"""Bit packing of quantized weights and the exact bit accounting of a quantized matrix.
+
+The layout is specified in docs/FORMAT.md; this module is its reference implementation.
+
+A quantized linear of shape [N out, K in] stores, in *permuted* input order (act-order):
+- qweight int32 [R, N]: the input rows, group after group; a group of G rows at b bits takes
+  G*b/32 words per output column. Inside a group every run of 32 consecutive rows becomes b
+  words: row j of the run sits at bit j*b of the run's little-endian b-word bit string (a value
+  may straddle two words).
+- qgroups int32 [n_groups, 2]: (bits, first qweight row) of each group.
+- scales float16 [n_groups, N]; mins float16 [n_groups, N] when asymmetric.
+- perm int16 (int32 when K > 32767) [K]: permuted row i is original input column perm[i].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
+CHUNK = 32  # rows packed together: 32 values of b bits fill exactly b words
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """Shape of one quantized matrix: the bits of each group, group size, symmetric or not."""
+
+    in_features: int
+    out_features: int
+    group_size: int
+    group_bits: tuple[int, ...]  # one entry per group, in permuted order
+    asym: bool
+
+    def __post_init__(self) -> None:
+        if self.group_size % CHUNK or self.group_size <= 0:
+            raise ValueError(f"group size {self.group_size} is not a positive multiple of {CHUNK}")
+        if self.in_features % self.group_size:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of group size {self.group_size}")
+        if len(self.group_bits) != self.in_features // self.group_size:
+            raise ValueError(f"{len(self.group_bits)} group bit widths for {self.in_features // self.group_size} groups")
+        bad = sorted(set(self.group_bits) - set(BIT_WIDTHS))
+        if bad:
+            raise ValueError(f"unsupported bit widths {bad}; supported: {BIT_WIDTHS}")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_bits)
+
+    @property
+    def qweight_rows(self) -> int:
+        return sum(self.group_size * b // CHUNK for b in self.group_bits)
+
+    @property
+    def perm_dtype(self) -> torch.dtype:
+        return torch.int16 if self.in_features <= 32767 else torch.int32
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(bits, number of groups) of each run of equal widths, in order."""
+        out: list[list[int]] = []
+        for b in self.group_bits:
+            if out and out[-1][0] == b:
+                out[-1][1] += 1
+            else:
+                out.append([b, 1])
+        return [(b, n) for b, n in out]
+
+    def to_json(self) -> dict:
+        return {"group_size": self.group_size, "asym": self.asym, "bits": [list(r) for r in self.runs()]}
+
+    @classmethod
+    def from_json(cls, in_features: int, out_features: int, spec: dict) -> "MatrixLayout":
+        bits: list[int] = []
+        for b, n in spec["bits"]:
+            bits.extend([int(b)] * int(n))
+        return cls(in_features, out_features, int(spec["group_size"]), tuple(bits), bool(spec["asym"]))
+
+    def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor this matrix writes: suffix -> (shape, dtype). Biases are not counted."""
+        n, g = self.out_features, self.num_groups
+        shapes = {
+            "qweight": ((self.qweight_rows, n), torch.int32),
+            "qgroups": ((g, 2), torch.int32),
+            "scales": ((g, n), torch.float16),
+            "perm": ((self.in_features,), self.perm_dtype),
+        }
+        if self.asym:
+            shapes["mins"] = ((g, n), torch.float16)
+        return shapes
+
+    def storage_bits(self) -> int:
+        """Bits written for this matrix, all tensors counted (what bits-per-weight is made of)."""
+        total = 0
+        for shape, dtype in self.tensor_shapes().values():
+            count = 1
+            for s in shape:
+                count *= s
+            total += count * torch.tensor([], dtype=dtype).element_size() * 8
+        return total
+
+    def bpw(self) -> float:
+        return self.storage_bits() / (self.in_features * self.out_features)
+
+    def qgroups(self) -> torch.Tensor:
+        rows, out = 0, []
+        for b in self.group_bits:
+            out.append((b, rows))
+            rows += self.group_size * b // CHUNK
+        return torch.tensor(out, dtype=torch.int32).reshape(-1, 2)
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 holding unsigned 32-bit values -> int32 with the same bits."""
+    return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)
+
+
+def pack_run(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack rows of unsigned values q [rows, N] (rows a multiple of 32) into int32 [rows*bits/32, N]."""
+    rows, n = q.shape
+    if rows % CHUNK:
+        raise ValueError(f"{rows} rows is not a multiple of {CHUNK}")
+    q = q.to(torch.int64).reshape(rows // CHUNK, CHUNK, n)
+    if q.numel() and (q.min() < 0 or q.max() >= (1 << bits)):
+        raise ValueError(f"values outside [0, {1 << bits}) cannot be packed at {bits} bits")
+    words = torch.zeros(rows // CHUNK, bits, n, dtype=torch.int64)
+    for j in range(CHUNK):
+        offset = j * bits
+        w, s = divmod(offset, 32)
+        words[:, w] |= (q[:, j] << s) & 0xFFFFFFFF
+        if s + bits > 32:
+            words[:, w + 1] |= q[:, j] >> (32 - s)
+    return _to_int32(words.reshape(rows // CHUNK * bits, n))
+
+
+def unpack_run(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_run: int32 [rows*bits/32, N] -> int64 [rows, N]."""
+    total, n = words.shape
+    chunks = total // bits
+    w64 = words.to(torch.int64).reshape(chunks, bits, n) & 0xFFFFFFFF
+    mask = (1 << bits) - 1
+    out = torch.empty(chunks, CHUNK, n, dtype=torch.int64, device=words.device)
+    for j in range(CHUNK):
+        offset = j * bits
+        w, s = divmod(offset, 32)
+        value = w64[:, w] >> s
+        if s + bits > 32:
+            value = value | (w64[:, w + 1] << (32 - s))
+        out[:, j] = value & mask
+    return out.reshape(chunks * CHUNK, n)
+
+
+def pack_matrix(q: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
+    """q [K, N] unsigned integers in permuted row order -> qweight int32 [R, N]."""
+    parts, row = [], 0
+    for bits, groups in layout.runs():
+        rows = groups * layout.group_size
+        parts.append(pack_run(q[row:row + rows], bits))
+        row += rows
+    return torch.cat(parts, 0)
+
+
+def unpack_matrix(qweight: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
+    """qweight int32 [R, N] -> unsigned integers int64 [K, N], permuted row order."""
+    parts, row = [], 0
+    for bits, groups in layout.runs():
+        words = groups * layout.group_size * bits // CHUNK
+        parts.append(unpack_run(qweight[row:row + words], bits))
+        row += words
+    return torch.cat(parts, 0)
+
+
+def dequantize_groups(q: torch.Tensor, group_bits: torch.Tensor, group_size: int,
+                      scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """Unsigned q [K, N] (permuted order) -> float32 weights [K, N] (permuted order).
+
+    Asymmetric: w = q * scale + min. Symmetric: w = (q - 2^(bits-1)) * scale.
+    """
+    s = scales.float().repeat_interleave(group_size, 0)
+    if mins is not None:
+        return q.float() * s + mins.float().repeat_interleave(group_size, 0)
+    mid = (1 << group_bits.long()).float().repeat_interleave(group_size, 0)[:, None] / 2
+    return (q.float() - mid) * s
