@@ -1,0 +1,76 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.stream`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence as Seq
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from qrun.llm_engine import EngineConfig, LLMEngine
+from qrun.sampling_params import SamplingParams
+from qrun.sequence import RequestOutput
+from qrun.sources import DEFAULT_MODEL
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
+        """Load `model` (folder, .gguf, alias or hub id); `engine_args` are EngineConfig fields."""
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, progress: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion, batched continuously; outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        engine = self.engine
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt, p)
+        except Exception:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                      TimeRemainingColumn(), disable=not progress, transient=True) as bar:
+            task = bar.add_task("", total=len(ids), rate="")
+            start_tokens = engine.num_generated_tokens
+            start = bar.get_time()
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                elapsed = max(bar.get_time() - start, 1e-9)
+                bar.update(task, completed=len(finished),
+                           rate=f"{(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s")
+        return [finished[request_id] for request_id in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is produced (stop strings already cut)."""
+        engine = self.engine
+        request_id = f"stream-{next(self._ids)}"
+        engine.add_request(request_id, prompt, sampling_params)
+        sent = 0
+        try:
+            while True:
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    if len(output.text) > sent:
+                        yield output.text[sent:]
+                        sent = len(output.text)
+                    if output.finished:
+                        return
+        finally:
+            engine.abort(request_id)  # a no-op when finished; frees the blocks if the caller stopped early

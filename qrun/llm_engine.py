@@ -1,0 +1,287 @@
+"""The engine: requests in, one scheduled forward pass per step, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from qrun.block_manager import BlockManager
+from qrun.errors import QrunError, RequestError
+from qrun.loader import load_model
+from qrun.model import KVCache
+from qrun.model_runner import ModelRunner
+from qrun.sampler import sample
+from qrun.sampling_params import SamplingParams
+from qrun.scheduler import Scheduler
+from qrun.sequence import RequestMetrics, RequestOutput, Sequence, Status
+from qrun.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("qrun")
+
+# Without an explicit budget the cache takes this share of the memory left after the weights.
+DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_cache_memory: int | float | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                f"{self.max_num_seqs}, or running sequences could not all decode in one step"
+            )
+        memory = self.kv_cache_memory
+        if memory is not None and not (isinstance(memory, int) and memory > 1 or
+                                       isinstance(memory, float) and 0 < memory <= 1):
+            raise ValueError(f"kv_cache_memory={memory!r} must be a byte count (int > 1) or a fraction in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache now: free device memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise QrunError("cannot read available memory from /proc/meminfo; pass kv_cache_memory in bytes")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        first = self.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_token_time=first.first_token_time,
+            finish_time=max((s.finish_time for s in self.seqs if s.finish_time), default=None)
+            if self.finished else None,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.completion() for s in self.seqs], self.finished, metrics)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.config
+        self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
+        num_blocks = self._num_blocks()
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._seq_ids = itertools.count()
+        self.num_generated_tokens = 0
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks, config.block_size,
+                 num_blocks * config.block_size,
+                 num_blocks * KVCache.bytes_per_block(model_config, config.block_size, self.loaded.dtype) / 2**20)
+
+    def _num_blocks(self) -> int:
+        config, device = self.config, self.loaded.device
+        per_block = KVCache.bytes_per_block(self.loaded.config, config.block_size, self.loaded.dtype)
+        memory = config.kv_cache_memory
+        if isinstance(memory, int):
+            budget = memory
+        else:
+            fraction = memory if memory is not None else DEFAULT_KV_FRACTION.get(device.type, 0.1)
+            budget = int(available_memory(device) * fraction)
+        # More blocks than every sequence slot at full context could never be used.
+        useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise QrunError(
+                f"out of cache memory: {budget} bytes hold no {config.block_size}-token KV block "
+                f"({per_block} bytes); raise kv_cache_memory or lower block_size"
+            )
+        return num_blocks
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.loaded.config.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.loaded.config.vocab_size - 1})")
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens = {total} tokens can never fit the KV cache ({capacity} tokens); "
+                "raise kv_cache_memory or lower max_tokens"
+            )
+        arrival = arrival_time or time.time()
+        request = Request(request_id, text, ids, params, arrival)
+        request.seqs.append(self._new_sequence(request, 0))
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        generator = None
+        if request.params.seed is not None:
+            generator = torch.Generator(device=self.loaded.device).manual_seed(request.params.seed + index)
+        return Sequence(next(self._seq_ids), request.request_id, index, list(request.prompt_token_ids),
+                        request.params, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+                        request.arrival_time, generator,
+                        logprobs=[] if request.params.logprobs is not None else None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free every block it holds; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish("abort")
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the outputs of the requests it advanced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, sampling = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit_computed(seq)
+        if sampling:
+            sampling, logits = self._fork_new_samples(sampling, logits)
+            tokens, logprobs = sample(logits, sampling, self.eos_token_ids)
+            for seq, token, lp in zip(sampling, tokens, logprobs):
+                self._append(seq, token, lp)
+        touched = {seq.request_id for seq in batch.seqs}
+        outputs = []
+        for request_id in touched:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            outputs.append(request.output())
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _fork_new_samples(self, sampling: list[Sequence], logits: torch.Tensor):
+        """A request with n > 1 forks its other completions when its prompt is done; all share
+        the prompt's blocks and sample their first token from the same logits."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sampling):
+            rows.append(row)
+            seqs.append(seq)
+            request = self.requests[seq.request_id]
+            if seq.index == 0 and len(request.seqs) < request.params.n and not seq.output_token_ids:
+                running = self.scheduler.running
+                position = running.index(seq) + 1
+                for index in range(1, request.params.n):
+                    child = self._new_sequence(request, index)
+                    self.block_manager.fork(seq, child)
+                    child.status = Status.RUNNING
+                    child.num_cached_tokens = seq.num_cached_tokens
+                    running.insert(position, child)
+                    position += 1
+                    request.seqs.append(child)
+                    rows.append(row)
+                    seqs.append(child)
+        if len(seqs) == len(sampling):
+            return sampling, logits
+        return seqs, logits[rows]
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        params = seq.params
+        previous_len = len(seq.text)
+        seq.text += seq.append_token(token)
+        self.num_generated_tokens += 1
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        reason = None
+        produced = len(seq.output_token_ids)
+        if produced >= params.min_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
+                reason = "stop"
+            elif params.stop_strings and self._cut_stop_string(seq, previous_len):
+                reason = "stop"
+        if reason is None and (produced >= params.max_tokens or len(seq) >= self.max_model_len):
+            reason = "length"
+        if reason:
+            seq.finish(reason)
+            self.scheduler.finish(seq)
+
+    @staticmethod
+    def _cut_stop_string(seq: Sequence, previous_len: int) -> bool:
+        """Truncate `seq.text` at the first stop string the newest text completes."""
+        longest = max(len(s) for s in seq.params.stop_strings)
+        search_from = max(0, previous_len - longest + 1)
+        found = [(seq.text.find(s, search_from), s) for s in seq.params.stop_strings]
+        found = [(i, s) for i, s in found if i >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        seq.text = seq.text[:index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        return True
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        blocks = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": blocks.num_blocks,
+            "kv_blocks_free": blocks.num_free_blocks,
+            "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
+            "kv_blocks_cached": blocks.num_cached_blocks,
+            "prefix_hit_rate": blocks.prefix_hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "generated_tokens": self.num_generated_tokens,
+        }

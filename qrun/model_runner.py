@@ -1,0 +1,72 @@
+"""Turns a scheduled batch into one flat forward pass and returns the logits to sample from."""
+
+from __future__ import annotations
+
+import torch
+
+from qrun.loader import LoadedModel
+from qrun.model import AttentionMetadata, KVCache
+from qrun.scheduler import ScheduledBatch
+from qrun.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = block_size
+        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+        for cache in (self.kv_cache.k, self.kv_cache.v):
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the batch; return float32 logits for the sequences that now sample a token.
+
+        A sequence samples when this step computes its last known token; a prefill chunk that
+        stops short of the prompt's end only fills the cache.
+        """
+        self.copy_blocks(batch.block_copies)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        sample_rows: list[int] = []
+        sampling: list[Sequence] = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids += seq.tokens_between(start, end)
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            if end == len(seq):
+                sample_rows.append(query_start[-1] - 1)
+                sampling.append(seq)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+
+        def tensor(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables),
+            seq_lens=tensor(seq_lens),
+            query_start_loc=tensor(query_start),
+            max_query_len=max(batch.num_tokens),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, self.kv_cache)
+        if not sampling:
+            return hidden.new_empty((0, 0), dtype=torch.float32), sampling
+        return self.model.compute_logits(hidden[tensor(sample_rows, torch.int64)]), sampling

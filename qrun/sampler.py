@@ -1,0 +1,98 @@
+"""From a batch of logits to one token per sequence, each under its own SamplingParams."""
+
+from __future__ import annotations
+
+import torch
+
+from qrun.sequence import Sequence
+
+# Below this a temperature only rescales float noise: treat it as greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition penalty over prompt and output tokens (as transformers applies it); presence
+    and frequency penalties over output tokens (as OpenAI defines them). In place."""
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                            values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    """Until min_tokens are out, no stop token may be sampled. In place."""
+    for row, seq in enumerate(seqs):
+        if len(seq.output_token_ids) < seq.params.min_tokens:
+            stops = [t for t in [*eos_token_ids, *(seq.params.stop_token_ids or [])] if t < logits.shape[1]]
+            logits[row, stops] = float("-inf")
+
+
+def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, nucleus (top-p) and min-p sets with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)
+    remove = ranks[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p; the top token always stays.
+    remove |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    remove |= probs < min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
+           ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """One token per row of `logits` ([B, V] float32), and its logprobs where asked for."""
+    apply_penalties(logits, seqs)
+    suppress_early_stops(logits, seqs, eos_token_ids)
+    device = logits.device
+    params = [s.params for s in seqs]
+    greedy = torch.tensor([p.temperature < MIN_TEMPERATURE for p in params], device=device)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device)
+        scaled = logits / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            vocab = logits.shape[1]
+            scaled = truncate(
+                scaled,
+                torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([p.min_p for p in params], device=device),
+            )
+        probs = scaled.softmax(dim=-1)
+        # Exponential race (argmax of p / Exp(1)) samples from p. A seeded row draws its noise
+        # from its own generator, so its tokens do not depend on the rest of the batch.
+        noise = torch.empty_like(probs).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[row].exponential_(generator=seq.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    token_list = tokens.tolist()
+    return token_list, _logprobs(logits, params, token_list)
+
+
+def _logprobs(logits: torch.Tensor, params, tokens: list[int]) -> list[dict[int, float] | None]:
+    wanted = [p.logprobs is not None for p in params]
+    if not any(wanted):
+        return [None] * len(params)
+    rows = [i for i, w in enumerate(wanted) if w]
+    logprobs = logits[rows].log_softmax(dim=-1)
+    most = max(params[i].logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(max(most, 1), dim=-1) if most else (None, None)
+    result: list[dict[int, float] | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        entry = {tokens[i]: float(logprobs[j, tokens[i]])}
+        for k in range(params[i].logprobs):
+            entry.setdefault(int(top_ids[j, k]), float(top_values[j, k]))
+        result[i] = entry
+    return result
