@@ -1,0 +1,371 @@
+"""Loading llama.cpp GGUF files as if they were Hugging Face checkpoints.
+
+A GGUF holds the config, the tokenizer and the (often quantized) weights in one file, under
+llama.cpp's names and layouts. `open_gguf` reads the metadata only and translates it into a
+`config.json`-like dict and a `tokenizer_config.json`-like dict; `GGUFModel.tensors()` then
+dequantizes the memory-mapped weights one tensor at a time under Hugging Face names and shapes,
+so the rest of qrun loads a GGUF exactly like a safetensors folder.
+
+    model = open_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    config = ModelConfig.from_hf(model.hf_config)
+    for name, tensor in model.tensors(): ...
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from qrun.errors import ModelLoadError
+
+# general.architecture -> Hugging Face class. llama.cpp writes Mistral models as "llama".
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# llama.cpp tensor names (after "blk.N.") -> Hugging Face names (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# llama.cpp token types (llama_token_type).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp uses them.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+# Llama 3 style vocabularies look whole words up before merging (HF's `ignore_merges`).
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx"}
+
+
+def _corrupt(path: Path, problem: str) -> ModelLoadError:
+    return ModelLoadError(f"{path} is truncated or corrupt ({problem}); re-download it")
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF file's config and tokenizer, translated to Hugging Face form; weights stay on disk."""
+
+    path: Path
+    hf_config: dict
+    tokenizer_config: dict
+    _reader: Any = field(default=None, repr=False)
+    _metadata: dict = field(default_factory=dict, repr=False)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor in HF shape), one tensor at a time.
+
+        Only one dequantized tensor is alive per step, so loading never holds the weights twice.
+        llama.cpp stores Llama's q_proj/k_proj rows permuted (it rotates interleaved pairs, HF
+        rotates halves); that permutation is undone here. A tied model yields no lm_head.weight:
+        `tie_word_embeddings` in hf_config says to reuse the embedding.
+        """
+        from gguf.quants import dequantize
+
+        arch = self._metadata["general.architecture"]
+        heads = self.hf_config["num_attention_heads"]
+        kv_heads = self.hf_config["num_key_value_heads"]
+        for tensor in self._reader.tensors:
+            name = _hf_name(tensor.name)
+            if name is None:  # llama3 rope factors: folded into hf_config["rope_scaling"]
+                continue
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists dims fastest-first
+            try:
+                values = dequantize(tensor.data, tensor.tensor_type)
+            except (NotImplementedError, ValueError) as err:
+                raise ModelLoadError(
+                    f"{self.path}: cannot read tensor {tensor.name} of type {tensor.tensor_type.name} ({err})"
+                ) from None
+            values = np.asarray(values, dtype=np.float32).reshape(shape)
+            if not values.flags.writeable:  # a view of the read-only memory map (F32 tensors)
+                values = values.copy()
+            if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                values = _unpermute(values, heads)
+            elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                values = _unpermute(values, kv_heads)
+            yield name, torch.from_numpy(values)
+
+    def tokenizer(self):
+        """A `tokenizers.Tokenizer` rebuilt from the vocabulary, merges and token types in the file."""
+        return _build_tokenizer(self._metadata, self.tokenizer_config)
+
+
+def open_gguf(path: str | Path) -> GGUFModel:
+    """Read a GGUF's metadata and tensor index (weights stay memory-mapped, unread)."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise _corrupt(path, "no GGUF magic at the start")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as err:  # the reader raises ValueError/IndexError/struct errors on bad bytes
+        raise _corrupt(path, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable header'}") from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
+            raise _corrupt(path, f"tensor {tensor.name} extends past the end of the file")
+
+    meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise _corrupt(path, "missing metadata key 'general.architecture'")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; qrun supports {', '.join(sorted(ARCHITECTURES))}"
+        )
+    names = {t.name for t in reader.tensors}
+    for name in names:
+        if _hf_name(name) is None and name != "rope_freqs.weight":
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {arch} model")
+    hf_config = _hf_config(path, meta, reader, names)
+    return GGUFModel(path, hf_config, _tokenizer_config(meta), reader, meta)
+
+
+def _require(path: Path, meta: dict, key: str) -> Any:
+    if key not in meta:
+        raise _corrupt(path, f"missing metadata key {key!r}")
+    return meta[key]
+
+
+def _hf_name(name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor; None for rope_freqs (not a parameter) and unknowns."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert convert_hf_to_gguf's `permute`: per head, rows (pair, half) -> (half, pair)."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _hf_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
+    arch = meta["general.architecture"]
+
+    def key(suffix: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{suffix}"
+        return _require(path, meta, full) if required else meta.get(full, default)
+
+    hidden = int(key("embedding_length", required=True))
+    heads = int(key("attention.head_count", required=True))
+    _require(path, meta, "tokenizer.ggml.tokens")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise _corrupt(path, "no token_embd.weight tensor")
+    hf_arch = ARCHITECTURES[arch]
+    if arch == "llama" and _says_mistral(meta):
+        hf_arch = "MistralForCausalLM"
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": hf_arch.removesuffix("ForCausalLM").lower(),
+        "vocab_size": int(key("vocab_size") or embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "num_hidden_layers": int(key("block_count", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv") or heads),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(key("context_length", required=True)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
+    if head_dim:
+        config["head_dim"] = int(head_dim)
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    config["rope_scaling"] = _rope_scaling(path, meta, arch, reader, config)
+    return config
+
+
+def _says_mistral(meta: dict) -> bool:
+    """llama.cpp stores Mistral as "llama"; only the model's own name tells them apart."""
+    name = str(meta.get("general.basename") or meta.get("general.name") or "")
+    return name.lower().startswith("mistral")
+
+
+def _rope_scaling(path: Path, meta: dict, arch: str, reader, config: dict) -> dict | None:
+    """HF rope_scaling from `<arch>.rope.scaling.*`, or Llama 3's from its rope_freqs tensor.
+
+    llama.cpp bakes Llama 3 scaling into per-frequency divisors (rope_freqs.weight) and keeps no
+    parameters, so we recover them: the largest divisor is `factor`; the remaining ones are the
+    values every Llama 3.x release uses, checked against the stored divisors.
+    """
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        from qrun.config import ModelConfig
+
+        divisors = np.asarray(freqs.data, dtype=np.float64).reshape(-1)
+        scaling = {"rope_type": "llama3", "factor": float(divisors.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": int(original or 8192)}
+        hf = dict(config, rope_scaling=None)
+        plain = np.array(ModelConfig.from_hf(hf).rope_inv_freq())
+        scaled = np.array(ModelConfig.from_hf(dict(hf, rope_scaling=scaling)).rope_inv_freq())
+        if plain.shape != divisors.shape or not np.allclose(plain / scaled, divisors, rtol=1e-3):
+            raise ModelLoadError(f"{path}: rope_freqs.weight matches no Llama 3 rope scaling qrun knows")
+        return scaling
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    scaling = {"rope_type": str(kind), "factor": float(factor)}
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _tokenizer_config(meta: dict) -> dict:
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says not to.
+    sentencepiece = meta.get("tokenizer.ggml.model") == "llama"
+    return {
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    }
+
+
+def _build_tokenizer(meta: dict, tok_config: dict):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    added = {i for i, t in enumerate(types) if t in (_UNKNOWN, _CONTROL, _USER_DEFINED)}
+    added |= {meta[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id", "unknown_token_id",
+                                                    "padding_token_id") if f"tokenizer.ggml.{k}" in meta}
+    if kind == "gpt2":
+        alphabet = set(_bytes_to_unicode().values())
+        # Vocabulary entries are spelled in GPT-2's byte alphabet; an added token may be stored as
+        # raw text, which the added-token matcher needs as is, so only ordinary tokens are respelled.
+        vocab = {(t if i in added or set(t) <= alphabet else _byte_spell(t)): i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        pre = meta.get("tokenizer.ggml.pre")
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+        if pre in _PRE_SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            if pre not in (None, "default", "gpt2", "smollm"):
+                warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; splitting text the GPT-2 way", stacklevel=3)
+            steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            if pre == "smollm":  # llama.cpp splits every digit off first, as SmolLM's tokenizer.json does
+                steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+            tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        if pre in ("qwen2", "deepseek-r1-qwen"):
+            tok.normalizer = normalizers.NFC()
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    elif kind == "llama":
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if "tokenizer.ggml.merges" in meta:
+            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        else:
+            merges = _merges_from_scores(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        unk = tok_config.get("unk_token")
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(steps)
+    else:
+        raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r}; qrun supports gpt2 and llama")
+
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in sorted(added) if types[i] != _USER_DEFINED])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in sorted(added) if types[i] == _USER_DEFINED])
+    # HF's tokenizer.json adds BOS/EOS in its post-processor; do the same when the file asks for it.
+    ends = [(key, meta.get(f"tokenizer.ggml.{key}_token_id")) for key in ("bos", "eos")
+            if tok_config[f"add_{key}_token"] and meta.get(f"tokenizer.ggml.{key}_token_id") is not None]
+    if ends:
+        ids = dict(ends)
+        bos = [tokens[ids["bos"]]] if "bos" in ids else []
+        eos = [tokens[ids["eos"]]] if "eos" in ids else []
+        tok.post_processor = processors.TemplateProcessing(
+            single=bos + ["$A"] + eos, pair=bos + ["$A"] + eos + bos + ["$B:1"] + eos,
+            special_tokens=[(tokens[i], i) for i in ids.values()])
+    return tok
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges a sentencepiece vocabulary implies: every split of a token into two tokens,
+    best-scoring result first (the order sentencepiece applies them), as HF's converter does."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_spell(text: str) -> str:
+    table = _bytes_to_unicode()
+    return "".join(table[b] for b in text.encode("utf-8"))

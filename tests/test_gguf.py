@@ -1,0 +1,331 @@
+"""GGUF loading: weights, config and tokenizer must equal what Hugging Face loads from the same file."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from qrun.config import ModelConfig
+from qrun.errors import ModelLoadError
+from qrun.gguf import open_gguf
+
+# --------------------------------------------------------------------------- tiny written files
+
+TINY = dict(vocab=32, hidden=32, ffn=64, layers=2, heads=4, kv_heads=2)  # Q8_0 needs rows of 32k
+
+
+def _llama_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in numpy."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tiny_hf_tensors(seed: int = 0, bias: bool = False) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    h, f, v, hd = TINY["hidden"], TINY["ffn"], TINY["vocab"], TINY["hidden"] // TINY["heads"]
+    kv = TINY["kv_heads"] * hd
+    out = {"model.embed_tokens.weight": rng.standard_normal((v, h)), "model.norm.weight": rng.standard_normal(h),
+           "lm_head.weight": rng.standard_normal((v, h))}
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": rng.standard_normal(h),
+            p + "post_attention_layernorm.weight": rng.standard_normal(h),
+            p + "self_attn.q_proj.weight": rng.standard_normal((h, h)),
+            p + "self_attn.k_proj.weight": rng.standard_normal((kv, h)),
+            p + "self_attn.v_proj.weight": rng.standard_normal((kv, h)),
+            p + "self_attn.o_proj.weight": rng.standard_normal((h, h)),
+            p + "mlp.gate_proj.weight": rng.standard_normal((f, h)),
+            p + "mlp.up_proj.weight": rng.standard_normal((f, h)),
+            p + "mlp.down_proj.weight": rng.standard_normal((h, f)),
+        })
+        if bias:
+            out.update({p + "self_attn.q_proj.bias": rng.standard_normal(h),
+                        p + "self_attn.k_proj.bias": rng.standard_normal(kv),
+                        p + "self_attn.v_proj.bias": rng.standard_normal(kv)})
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], quant: bool = False,
+                tokenizer: dict | None = None) -> None:
+    """Write `tensors` (HF names and layout) the way convert_hf_to_gguf.py would: renamed, Llama's
+    q/k permuted, 2-D weights Q8_0 when `quant` (norms and biases stay F32)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(TINY["layers"])
+    w.add_context_length(128)
+    w.add_embedding_length(TINY["hidden"])
+    w.add_feed_forward_length(TINY["ffn"])
+    w.add_head_count(TINY["heads"])
+    w.add_head_count_kv(TINY["kv_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(TINY["vocab"])
+    tok = tokenizer or {"model": "gpt2", "tokens": [f"t{i}" for i in range(TINY["vocab"])], "merges": []}
+    w.add_tokenizer_model(tok["model"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok.get("types", [1] * len(tok["tokens"])))
+    if "scores" in tok:
+        w.add_token_scores(tok["scores"])
+    if tok.get("merges"):
+        w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(tok.get("bos", 0))
+    w.add_eos_token_id(tok.get("eos", 1))
+    w.add_chat_template("{{ messages }}")
+    for name, value in tensors.items():
+        if arch == "llama" and "q_proj" in name:
+            value = _llama_permute(value, TINY["heads"], TINY["heads"])
+        elif arch == "llama" and "k_proj" in name:
+            value = _llama_permute(value, TINY["heads"], TINY["kv_heads"])
+        if quant and value.ndim == 2:
+            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _q8_roundtrip(x: np.ndarray) -> np.ndarray:
+    t = gguf.GGMLQuantizationType.Q8_0
+    return gguf.quants.dequantize(gguf.quants.quantize(x, t), t).reshape(x.shape)
+
+
+@pytest.mark.parametrize("quant", [False, True], ids=["f32", "q8_0"])
+def test_written_llama_round_trips_to_hf_tensors(tmp_path, quant):
+    hf = _tiny_hf_tensors()
+    _write_gguf(tmp_path / "tiny.gguf", "llama", hf, quant=quant)
+    got = dict(open_gguf(tmp_path / "tiny.gguf").tensors())
+    assert set(got) == set(hf)
+    for name, want in hf.items():
+        # Q8_0 blocks run along rows, so quantizing commutes with the row permutation.
+        if quant and want.ndim == 2:
+            want = _q8_roundtrip(want)
+        assert got[name].dtype == torch.float32
+        assert tuple(got[name].shape) == want.shape, name
+        np.testing.assert_array_equal(got[name].numpy(), want, err_msg=name)
+
+
+def test_q_proj_permutation_is_undone(tmp_path):
+    hf = _tiny_hf_tensors(seed=1)
+    _write_gguf(tmp_path / "tiny.gguf", "llama", hf)
+    got = dict(open_gguf(tmp_path / "tiny.gguf").tensors())
+    q = hf["model.layers.0.self_attn.q_proj.weight"]
+    assert not np.array_equal(_llama_permute(q, TINY["heads"], TINY["heads"]), q)  # the test means something
+    np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"].numpy(), q)
+    np.testing.assert_array_equal(got["model.layers.1.self_attn.k_proj.weight"].numpy(),
+                                  hf["model.layers.1.self_attn.k_proj.weight"])
+
+
+def test_qwen2_keeps_qk_rows_and_biases_as_written(tmp_path):
+    hf = _tiny_hf_tensors(seed=2, bias=True)
+    _write_gguf(tmp_path / "qwen.gguf", "qwen2", hf)
+    model = open_gguf(tmp_path / "qwen.gguf")
+    assert model.hf_config["architectures"] == ["Qwen2ForCausalLM"]
+    got = dict(model.tensors())
+    for name, want in hf.items():
+        np.testing.assert_array_equal(got[name].numpy(), want, err_msg=name)
+    assert ModelConfig.from_hf(model.hf_config).attention_bias
+
+
+def test_written_file_config_is_hf_shaped_and_untied_with_output_weight(tmp_path):
+    _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_hf_tensors())
+    model = open_gguf(tmp_path / "tiny.gguf")
+    cfg = ModelConfig.from_hf(model.hf_config)
+    assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == \
+        ("LlamaForCausalLM", TINY["vocab"], TINY["hidden"], TINY["ffn"])
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 8)
+    assert cfg.max_position_embeddings == 128 and not cfg.tie_word_embeddings
+    assert cfg.rms_norm_eps == pytest.approx(1e-6)
+    assert model.tokenizer_config["chat_template"] == "{{ messages }}"
+
+
+def test_unsupported_architecture_is_named_in_the_error(tmp_path):
+    _write_gguf(tmp_path / "phi.gguf", "phi3", {"model.norm.weight": np.ones(32, np.float32)})
+    with pytest.raises(ModelLoadError, match=r"'phi3'.*llama.*qwen2"):
+        open_gguf(tmp_path / "phi.gguf")
+
+
+def test_bad_magic_is_reported_as_corrupt(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(1024))
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf is truncated or corrupt.*re-download"):
+        open_gguf(bad)
+
+
+def test_truncated_written_file_is_reported_as_corrupt(tmp_path):
+    _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_hf_tensors())
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    for cut in (len(data) // 2, len(data) - 1, 40):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+            open_gguf(tmp_path / "cut.gguf")
+
+
+def test_missing_required_metadata_is_reported(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "meta.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="missing metadata key 'llama.embedding_length'"):
+        open_gguf(tmp_path / "meta.gguf")
+
+
+def _spm_vocab() -> dict:
+    """A tiny sentencepiece-style vocabulary (scores, byte fallback, ▁ for spaces), no merges."""
+    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "el", "lo", "▁hel", "▁hello", "▁w", "or",
+             "▁wor", "ld", "▁world", "ll", "he"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    types = [2, 3, 3] + [6] * 256 + [1] * len(words)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(words))]
+    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores, "bos": 1, "eos": 2}
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok = _spm_vocab()
+    hf = _tiny_hf_tensors()
+    hf["model.embed_tokens.weight"] = np.zeros((len(tok["tokens"]), TINY["hidden"]), np.float32)
+    hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    _write_gguf(tmp_path / "spm.gguf", "llama", hf, tokenizer=tok)
+    model = open_gguf(tmp_path / "spm.gguf")
+    assert model.tokenizer_config["add_bos_token"] is True  # llama.cpp's default for sentencepiece
+    ours = model.tokenizer()
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["hello world", " hello", "hello  world!", "é hello", "</s>hello<s> world", "ll he"]:
+        ids = ours.encode(text).ids
+        assert ids == ref.encode(text), text
+        assert ids[0] == 1
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+
+
+# --------------------------------------------------------------------------- the real SmolLM2 file
+
+@pytest.fixture(scope="module")
+def smol_path(request) -> Path:
+    try:
+        return Path(request.getfixturevalue("smollm2_gguf"))
+    except pytest.FixtureLookupError:
+        from qrun.sources import fetch_alias
+        return fetch_alias("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def smol(smol_path):
+    return open_gguf(smol_path)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smol_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name)
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_equal_transformers_state_dict(smol, smol_path):
+    transformers = pytest.importorskip("transformers")
+    where = dict(pretrained_model_name_or_path=str(smol_path.parent), gguf_file=smol_path.name)
+    if importlib.util.find_spec("accelerate"):  # from_pretrained needs it for a GGUF
+        ref = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).state_dict()
+    else:  # the same loader from_pretrained calls, minus accelerate's placement
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(**where))
+        ref = load_gguf_checkpoint(str(smol_path), return_tensors=True, model_to_load=model)["tensors"]
+        ref.setdefault("lm_head.weight", ref["model.embed_tokens.weight"])
+    seen = set()
+    for name, tensor in smol.tensors():
+        assert name in ref, name
+        assert tensor.dtype == torch.float32 and tensor.shape == ref[name].shape, name
+        torch.testing.assert_close(tensor, ref[name], rtol=0, atol=1e-6, msg=name)
+        seen.add(name)
+    # Tied: qrun yields no lm_head; transformers' is the embedding itself.
+    assert set(ref) - seen == {"lm_head.weight"}
+    torch.testing.assert_close(ref["lm_head.weight"], ref["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_smollm2_config_matches_transformers(smol, smol_path):
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoConfig.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name)
+    ours = smol.hf_config
+    assert ours["architectures"] == ["LlamaForCausalLM"]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+                "eos_token_id", "head_dim"):
+        assert ours[key] == getattr(ref, key), key
+    assert ours["rms_norm_eps"] == pytest.approx(ref.rms_norm_eps)
+    assert ours["rope_theta"] == pytest.approx(ref.rope_parameters["rope_theta"]
+                                               if getattr(ref, "rope_parameters", None) else ref.rope_theta)
+    assert ours["tie_word_embeddings"] is True and ours["rope_scaling"] is None
+    ModelConfig.from_hf(ours)  # accepted by qrun as is
+
+
+SAMPLES = [
+    "Hello, world!",
+    " leading space and  double  spaces",
+    "\tTabs\nand newlines\n\n",
+    "Unicode: café naïve 日本語 🤗 Ωμέγα",
+    "def f(x):\n    return x ** 2  # square\n",
+    "numbers 12345 and 3.14159, year 2024",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>qrun<file_sep>",
+    "",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", SAMPLES)
+def test_smollm2_tokenizer_matches_transformers(smol, hf_tokenizer, text):
+    ours = smol.tokenizer()
+    ids = ours.encode(text).ids
+    assert ids == hf_tokenizer.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=True) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_smollm2_special_tokens_stay_whole(smol):
+    ids = smol.tokenizer().encode("<|im_start|>assistant<|im_end|>").ids
+    assert ids[0] == 1 and ids[-1] == 2
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_config_has_chat_template_and_special_tokens(smol):
+    cfg = smol.tokenizer_config
+    assert "<|im_start|>" in cfg["chat_template"]
+    assert (cfg["bos_token"], cfg["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert cfg["add_bos_token"] is False and cfg["add_eos_token"] is False
+
+
+@pytest.mark.slow
+def test_truncated_smollm2_is_reported_as_corrupt(smol_path, tmp_path):
+    cut = tmp_path / "half.gguf"
+    with open(smol_path, "rb") as src:
+        cut.write_bytes(src.read(smol_path.stat().st_size // 2))
+    with pytest.raises(ModelLoadError, match="half.gguf is truncated or corrupt"):
+        open_gguf(cut)
