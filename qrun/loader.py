@@ -167,6 +167,10 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
     config = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
         net = Transformer(config, device=torch_device)
+        if "quantization_config" in hf_config:
+            from qrun.quant import swap_quantized_linears
+
+            swap_quantized_linears(net, hf_config)
     load_weights(net, tensors(), torch_dtype, torch_device)
     net.eval().requires_grad_(False)
     return LoadedModel(net, config, make_tokenizer(list(config.eos_token_ids)), source, hf_config)

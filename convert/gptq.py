@@ -1,0 +1,291 @@
+"""GPTQ (act-order, lazy block updates, mixed bits per input group) and round-to-nearest.
+
+Both quantize one weight matrix W [N out, K in] under a `Candidate` (group size, symmetric or
+not, a list of (bits, fraction of groups)). GPTQ needs the Hessian H = sum x x^T of the layer's
+inputs over the calibration tokens; `HessianAccumulator` builds it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from qrun.convert.packing import BIT_WIDTHS, MatrixLayout, pack_matrix
+
+SNAP_GROUP_SIZES = (256, 128, 64, 32)
+
+
+class QuantizationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to quantize a matrix: groups of `group_size` inputs, widths by fraction of groups.
+
+    `bits` lists (width, fraction) with widths descending; with act-order the most important
+    input groups (largest Hessian diagonal) come first and get the widest codes.
+    """
+
+    group_size: int
+    bits: tuple[tuple[int, float], ...]
+    asym: bool = False
+    act_order: bool = True
+
+    def __post_init__(self) -> None:
+        widths = [b for b, _ in self.bits]
+        if any(b not in BIT_WIDTHS for b in widths):
+            raise ValueError(f"candidate widths {widths} outside {BIT_WIDTHS}")
+        if widths != sorted(widths, reverse=True):
+            raise ValueError(f"candidate widths {widths} must be descending")
+        if abs(sum(f for _, f in self.bits) - 1.0) > 1e-6:
+            raise ValueError(f"candidate fractions {self.bits} do not sum to 1")
+
+    @property
+    def name(self) -> str:
+        mix = "+".join(f"{b}b{f:g}" if f < 1 else f"{b}b" for b, f in self.bits)
+        return f"{mix}:g{self.group_size}{':asym' if self.asym else ''}{'' if self.act_order else ':noact'}"
+
+    @property
+    def nominal_bits(self) -> float:
+        return sum(b * f for b, f in self.bits)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "group_size": self.group_size, "asym": self.asym,
+                "act_order": self.act_order, "bits": [[b, f] for b, f in self.bits]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Candidate":
+        return cls(int(d["group_size"]), tuple((int(b), float(f)) for b, f in d["bits"]),
+                   bool(d["asym"]), bool(d.get("act_order", True)))
+
+    def group_size_for(self, k: int) -> int:
+        """The candidate's group size, snapped down to one that divides K."""
+        for g in SNAP_GROUP_SIZES:
+            if g <= self.group_size and k % g == 0:
+                return g
+        if k % 32 == 0:
+            return 32
+        raise QuantizationError(f"input size {k} is not a multiple of 32; this format cannot quantize it")
+
+    def layout(self, k: int, n: int) -> MatrixLayout:
+        g = self.group_size_for(k)
+        groups = k // g
+        widths: list[int] = []
+        cumulative = 0.0
+        for b, f in self.bits:
+            cumulative += f
+            count = round(cumulative * groups) - len(widths)
+            widths.extend([b] * max(count, 0))
+        widths = widths[:groups] + [self.bits[-1][0]] * (groups - len(widths))
+        return MatrixLayout(k, n, g, tuple(widths), self.asym)
+
+
+@dataclass
+class QuantizedMatrix:
+    layout: MatrixLayout
+    q: torch.Tensor  # [K, N] unsigned ints, permuted order
+    scales: torch.Tensor  # [G, N] float16
+    mins: torch.Tensor | None  # [G, N] float16
+    perm: torch.Tensor  # [K] long
+    extra: dict = field(default_factory=dict)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [N, K] in original input order."""
+        g = self.layout.group_size
+        s = self.scales.float().repeat_interleave(g, 0)
+        if self.mins is not None:
+            w = self.q.float() * s + self.mins.float().repeat_interleave(g, 0)
+        else:
+            mid = torch.tensor(self.layout.group_bits).repeat_interleave(g).float().exp2()[:, None] / 2
+            w = (self.q.float() - mid) * s
+        out = torch.empty(self.layout.out_features, self.layout.in_features)
+        out[:, self.perm] = w.T
+        return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The packed tensors as written to disk (docs/FORMAT.md)."""
+        out = {
+            "qweight": pack_matrix(self.q, self.layout),
+            "qgroups": self.layout.qgroups(),
+            "scales": self.scales.contiguous(),
+            "perm": self.perm.to(self.layout.perm_dtype),
+        }
+        if self.mins is not None:
+            out["mins"] = self.mins.contiguous()
+        return out
+
+
+CLIP_GRID = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
+
+
+def group_params(w: torch.Tensor, bits: int, asym: bool, clip_search: bool,
+                 weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and min) per row of w [N, G] as float16, optionally searching a clipping ratio.
+
+    `weight` [G] weighs each column's squared error in the clip search (e.g. the Hessian diagonal).
+    """
+    maxq = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    xmin = w.min(1).values.clamp(max=0) if not asym else w.min(1).values
+    xmax = w.max(1).values.clamp(min=0) if not asym else w.max(1).values
+    ratios = CLIP_GRID if clip_search else (1.0,)
+    best_err = best_s = best_m = None
+    for p in ratios:
+        if asym:
+            lo, hi = xmin * p, xmax * p
+            s = ((hi - lo) / maxq).clamp(min=1e-8).half()
+            m = lo.half()
+            sf, mf = s.float(), m.float()
+            q = ((w - mf[:, None]) / sf[:, None]).round().clamp(0, maxq)
+            deq = q * sf[:, None] + mf[:, None]
+        else:
+            s = (torch.maximum(-xmin / half, xmax / (half - 1)) * p).clamp(min=1e-8).half()
+            m = None
+            sf = s.float()
+            q = (w / sf[:, None]).round().clamp(-half, half - 1)
+            deq = q * sf[:, None]
+        if len(ratios) == 1:
+            return s, m
+        err = (deq - w).pow(2)
+        err = (err * weight[None, :]).sum(1) if weight is not None else err.sum(1)
+        if best_err is None:
+            best_err, best_s, best_m = err, s.clone(), (m.clone() if m is not None else None)
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, s, best_s)
+            if m is not None:
+                best_m = torch.where(better, m, best_m)
+    return best_s, best_m
+
+
+def _quantize_column(w: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, bits: int):
+    """(unsigned q, dequantized) for one column w [N]."""
+    maxq = (1 << bits) - 1
+    sf = s.float()
+    if m is not None:
+        mf = m.float()
+        q = ((w - mf) / sf).round().clamp(0, maxq)
+        return q, q * sf + mf
+    half = 1 << (bits - 1)
+    q = (w / sf).round().clamp(-half, half - 1)
+    return q + half, q * sf
+
+
+def rtn_quantize(w: torch.Tensor, cand: Candidate, clip_search: bool = False) -> QuantizedMatrix:
+    """Round-to-nearest in original input order (no act-order, no error feedback)."""
+    w = w.float()
+    n, k = w.shape
+    layout = Candidate(cand.group_size, cand.bits, cand.asym, act_order=False).layout(k, n)
+    g = layout.group_size
+    q = torch.empty(k, n, dtype=torch.int64)
+    scales = torch.empty(layout.num_groups, n, dtype=torch.float16)
+    mins = torch.empty(layout.num_groups, n, dtype=torch.float16) if cand.asym else None
+    for gi, bits in enumerate(layout.group_bits):
+        cols = w[:, gi * g:(gi + 1) * g]
+        s, m = group_params(cols, bits, cand.asym, clip_search)
+        scales[gi] = s
+        if mins is not None:
+            mins[gi] = m
+        maxq = (1 << bits) - 1
+        if m is not None:
+            qq = ((cols - m.float()[:, None]) / s.float()[:, None]).round().clamp(0, maxq)
+        else:
+            half = 1 << (bits - 1)
+            qq = (cols / s.float()[:, None]).round().clamp(-half, half - 1) + half
+        q[gi * g:(gi + 1) * g] = qq.T.long()
+    return QuantizedMatrix(layout, q, scales, mins, torch.arange(k))
+
+
+class HessianAccumulator:
+    """H = sum over calibration tokens of x x^T (float32), for one linear input."""
+
+    def __init__(self, k: int):
+        self.h = torch.zeros(k, k, dtype=torch.float32)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.h.addmm_(x.T, x)
+        self.tokens += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        if not self.tokens:
+            raise QuantizationError("no calibration tokens reached this layer")
+        return self.h / self.tokens
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, cand: Candidate, damp: float = 0.01,
+                  block_size: int = 128, clip_search: bool = True) -> QuantizedMatrix:
+    """GPTQ of w [N, K] given the input Hessian h [K, K].
+
+    Act-order (columns by descending diag H) when the candidate asks for it; damping of
+    `damp` times the mean diagonal; Cholesky factor of H^-1; lazy updates in blocks that are a
+    multiple of the group size; each group's scale (and min) computed from the error-updated
+    weights when the sweep reaches the group.
+    """
+    w = w.float().clone()
+    n, k = w.shape
+    layout = cand.layout(k, n)
+    g = layout.group_size
+    h = h.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if cand.act_order else torch.arange(k)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+    diag_mean = torch.mean(torch.diag(h))
+    hinv = None
+    for attempt in range(4):
+        hd = h + torch.eye(k) * damp * (10 ** attempt) * diag_mean
+        try:
+            chol = torch.linalg.cholesky(hd)
+            hinv = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+            break
+        except RuntimeError:
+            continue
+    if hinv is None or not torch.isfinite(hinv).all():
+        raise QuantizationError("the calibration Hessian is not positive definite even with heavy damping")
+    hdiag = torch.diag(h)
+
+    q = torch.empty(k, n, dtype=torch.int64)
+    scales = torch.empty(layout.num_groups, n, dtype=torch.float16)
+    mins = torch.empty(layout.num_groups, n, dtype=torch.float16) if cand.asym else None
+    block = max(g, (block_size // g) * g)
+    s = m = None
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            gi = col // g
+            bits = layout.group_bits[gi]
+            if col % g == 0:
+                s, m = group_params(w1[:, i:i + g], bits, cand.asym, clip_search, hdiag[col:col + g])
+                scales[gi] = s
+                if mins is not None:
+                    mins[gi] = m
+            d = hinv1[i, i]
+            qc, deq = _quantize_column(w1[:, i], s, m, bits)
+            q[col] = qc.long()
+            e = (w1[:, i] - deq) / d
+            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if not torch.isfinite(scales.float()).all():
+        raise QuantizationError("GPTQ produced non-finite scales (weights or Hessian hold NaN/inf)")
+    return QuantizedMatrix(layout, q, scales, mins, perm)
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """Relative output error tr((W-Ŵ) H (W-Ŵ)^T) / tr(W H W^T) for inputs with Hessian h."""
+    d = (w.float() - w_hat.float())
+    num = torch.einsum("nk,kl,nl->", d, h, d)
+    den = torch.einsum("nk,kl,nl->", w.float(), h, w.float())
+    return float(num / den) if float(den) > 0 else math.inf

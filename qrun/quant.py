@@ -1,0 +1,158 @@
+"""Quantized linear layers: the module the loader swaps in, and its execution paths.
+
+Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`):
+- CUDA: the `dequant_matmul` op of `qrun.kernels` (Triton when registered, else the reference);
+- CPU, `QRUN_QUANT_CPU=fast` (default): a prepared torch path, built once per module:
+  groups of <= 4 bits run through `aten._weight_int4pack_mm_for_cpu` (every width up to 4 is
+  re-expressed exactly on the 4-bit grid: w = (q - 8) * scale + zero), groups of 5..8 bits (a
+  prefix of the permuted input rows) run as one dense matmul of their dequantized weights;
+  where the int4 layout does not apply (group size not 32/64/128/256, N not a multiple of 16)
+  the whole matrix runs dense. Activations run in bfloat16 on this path.
+- CPU, `QRUN_QUANT_CPU=ref`: `dequant_matmul_ref` (float32 dequantize, then matmul).
+
+Format of the tensors: docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from qrun.convert.packing import MatrixLayout
+from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequantize_ref
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+CPU_MODES = ("fast", "ref")
+
+
+def cpu_mode() -> str:
+    mode = os.environ.get("QRUN_QUANT_CPU", "fast").lower()
+    if mode not in CPU_MODES:
+        raise ValueError(f"QRUN_QUANT_CPU={mode!r} is not one of {', '.join(CPU_MODES)}")
+    return mode
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W stored packed (mixed bits per input group, act-order permutation)."""
+
+    def __init__(self, layout: MatrixLayout, bias: bool = False, dtype: torch.dtype = torch.float16):
+        super().__init__()
+        self.layout = layout
+        self.in_features, self.out_features = layout.in_features, layout.out_features
+        self.group_size = layout.group_size
+        for name, (shape, tdtype) in layout.tensor_shapes().items():
+            tensor = torch.zeros(shape, dtype=tdtype)
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        if not layout.asym:
+            self.mins = None
+        self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._prepared: tuple | None = None
+        self._prepared_key = None
+
+    def extra_repr(self) -> str:
+        runs = ",".join(f"{b}b×{n}" for b, n in self.layout.runs())
+        return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
+                f"{'asym' if self.layout.asym else 'sym'}, groups={runs}, bpw={self.layout.bpw():.3f}")
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [N, K] in original input order."""
+        w = dequantize_ref(self.qweight, self.qgroups, self.scales, self.mins, self.group_size)
+        dense = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=w.device)
+        dense[:, self.perm.long()] = w.T
+        return dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x.device.type == "cuda":
+            from qrun.kernels import ops_for
+
+            y = ops_for(x.device).dequant_matmul(x2, self.qweight, self.qgroups, self.scales, self.mins,
+                                                  self.perm, self.group_size, self.bias)
+        elif cpu_mode() == "ref":
+            y = dequant_matmul_ref(x2, self.qweight, self.qgroups, self.scales, self.mins, self.perm,
+                                   self.group_size, self.bias)
+        else:
+            y = self._forward_cpu_fast(x2)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    # --- CPU fast path -------------------------------------------------------------------
+    def _prepare_cpu(self) -> tuple:
+        """(perm, k_hi, dense_hi [N, k_hi] bf16 | None, int4-packed low part | None, its scale_zero | None)."""
+        bits = [int(b) for b in self.qgroups[:, 0].tolist()]
+        g = self.group_size
+        hi_groups = 0
+        while hi_groups < len(bits) and bits[hi_groups] > 4:
+            hi_groups += 1
+        lo_is_int4 = (all(b <= 4 for b in bits[hi_groups:]) and g in INT4_GROUP_SIZES
+                      and self.out_features % 16 == 0 and hi_groups < len(bits))
+        if not lo_is_int4:
+            hi_groups = len(bits)
+        w = dequantize_ref(self.qweight, self.qgroups, self.scales, self.mins, g)  # [K, N] permuted
+        k_hi = hi_groups * g
+        dense_hi = w[:k_hi].T.contiguous().to(torch.bfloat16) if k_hi else None
+        packed = scale_zero = None
+        if lo_is_int4:
+            from qrun.kernels.dequant_matmul import _unpack_rows
+
+            q_parts, sz = [], []
+            groups = self.qgroups.tolist()
+            for gi in range(hi_groups, len(groups)):
+                b, row = groups[gi]
+                q_parts.append(_unpack_rows(self.qweight[row:row + g * b // 32], b))
+                s = self.scales[gi].float()
+                zero = self.mins[gi].float() + 8 * s if self.mins is not None else (8 - (1 << (b - 1))) * s
+                sz.append(torch.stack([s, zero], -1))
+            q = torch.cat(q_parts).T.contiguous().to(torch.int32)  # [N, K_lo]
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            scale_zero = torch.stack(sz).to(torch.bfloat16).contiguous()  # [K_lo/g, N, 2]
+        return self.perm.long(), k_hi, dense_hi, packed, scale_zero
+
+    def _forward_cpu_fast(self, x: torch.Tensor) -> torch.Tensor:
+        key = (self.qweight.data_ptr(), self.scales.data_ptr())
+        if self._prepared is None or self._prepared_key != key:
+            self._prepared, self._prepared_key = self._prepare_cpu(), key
+        perm, k_hi, dense_hi, packed, scale_zero = self._prepared
+        xp = x.to(torch.bfloat16)[:, perm]
+        y = None
+        if packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp[:, k_hi:].contiguous(), packed,
+                                                            self.group_size, scale_zero)
+        if dense_hi is not None:
+            hi = xp[:, :k_hi] @ dense_hi.T
+            y = hi if y is None else y + hi
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y
+
+
+def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]:
+    """Layouts of the quantized linears named in config.json's quantization_config."""
+    qconfig = hf_config["quantization_config"]
+    if qconfig.get("quant_method") != "qrun-exl":
+        from qrun.errors import ModelLoadError
+
+        raise ModelLoadError(f"unsupported quantization method {qconfig.get('quant_method')!r}; "
+                             "qrun loads its own 'qrun-exl' format (qrun convert)")
+    layouts = {}
+    for name, spec in qconfig.get("modules", {}).items():
+        short = name.removeprefix("model.")
+        linear = model.get_submodule(short)
+        layouts[short] = MatrixLayout.from_json(linear.in_features, linear.out_features, spec)
+    return layouts
+
+
+def swap_quantized_linears(model: nn.Module, hf_config: dict) -> None:
+    """Replace the nn.Linear modules named in quantization_config by QuantLinear (shapes from the layouts)."""
+    for name, layout in module_layouts(hf_config, model).items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        setattr(parent, attr, QuantLinear(layout, bias=old.bias is not None))
+    if "lm_head" in module_layouts(hf_config, model) and getattr(model.config, "tie_word_embeddings", False):
+        from qrun.errors import ModelLoadError
+
+        raise ModelLoadError("quantization_config quantizes lm_head of a tied model; the file is inconsistent")

@@ -1,0 +1,56 @@
+"""QuantLinear: the CPU fast path agrees with the float32 reference on every layout it meets."""
+
+import pytest
+import torch
+from torch import nn
+
+from qrun.convert.gptq import Candidate, HessianAccumulator, gptq_quantize
+from qrun.quant import QuantLinear
+
+
+def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(256, k, generator=g)
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    result = gptq_quantize(w, acc.hessian(), cand)
+    module = QuantLinear(result.layout, bias=bias)
+    for name, tensor in result.tensors().items():
+        setattr(module, name, nn.Parameter(tensor.float() if tensor.is_floating_point() else tensor,
+                                           requires_grad=False))
+    if bias:
+        module.bias = nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+    return module, result
+
+
+@pytest.mark.parametrize("cand,k,n", [
+    (Candidate(64, ((4, 0.5), (3, 0.25), (2, 0.25))), 576, 192),  # all int4-representable
+    (Candidate(32, ((4, 1.0),), asym=True, act_order=False), 576, 64),  # Q4_1-like
+    (Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5))), 1536, 64),  # wide prefix runs dense
+    (Candidate(64, ((6, 1.0),)), 192, 32),  # all dense
+    (Candidate(64, ((4, 1.0),)), 192, 40),  # N not a multiple of 16: dense fallback
+])
+def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n):
+    module, result = quant_linear(cand, k, n, bias=True)
+    x = torch.randn(5, k)
+    monkeypatch.setenv("QRUN_QUANT_CPU", "ref")
+    ref = module(x)
+    torch.testing.assert_close(ref, x @ result.dequantized().T + module.bias, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("QRUN_QUANT_CPU", "fast")
+    fast = module(x)
+    assert fast.dtype == x.dtype and fast.shape == (5, n)
+    rel = (fast - ref).norm() / ref.norm()
+    assert rel < 2e-2  # bfloat16 activations, scales and zeros
+
+
+def test_weight_reconstruction_in_original_order():
+    module, result = quant_linear(Candidate(64, ((5, 0.5), (3, 0.5)), asym=True), 256, 32)
+    torch.testing.assert_close(module.dequantized_weight(), result.dequantized())
+
+
+def test_unknown_cpu_mode_is_rejected(monkeypatch):
+    module, _ = quant_linear(Candidate(64, ((4, 1.0),)), 128, 16)
+    monkeypatch.setenv("QRUN_QUANT_CPU", "turbo")
+    with pytest.raises(ValueError):
+        module(torch.randn(1, 128))
