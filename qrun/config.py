@@ -86,6 +86,11 @@ class ModelConfig:
             sliding = hf.get("sliding_window")
             if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
                 sliding = None
+            # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`.
+            rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+            theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = None
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
@@ -96,8 +101,8 @@ class ModelConfig:
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=hf.get("rope_scaling"),
+                rope_theta=float(theta),
+                rope_scaling=rope,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; Llama may declare them.
