@@ -15,7 +15,7 @@ import torch
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from qrun.kernels.dequant_matmul import dequant_matmul_ref
+from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
 
 _CHOICES = ("auto", "torch", "triton")
@@ -25,7 +25,7 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "store_kv": {"torch": store_kv_ref, "triton": store_kv_triton},
     "rms_norm": {"torch": rms_norm_ref, "triton": rms_norm_triton},
     "apply_rotary": {"torch": apply_rotary_ref, "triton": apply_rotary_triton},
-    "dequant_matmul": {"torch": dequant_matmul_ref},
+    "dequant_matmul": {"torch": dequant_matmul_ref, "triton": dequant_matmul_triton},
 }
 
 

@@ -76,3 +76,216 @@ def dequant_matmul_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton implementation
+# ---------------------------------------------------------------------------------------------
+#
+# Both kernels walk the packed rows group by group (each group's width and first word come from
+# qgroups at run time, so one compiled kernel serves any mix of widths) and 32-row chunk by
+# chunk: row j of a chunk is the `bits`-wide field at bit j*bits of the chunk's words, read as
+# (lo >> s) | (hi << (32 - s)) where it straddles two words. A chunk's words for BLOCK_N columns
+# are gathered once per program (the repeated rows of the gather hit L1), dequantized to fp32
+# with the group's scale/min, and multiplied with the activations gathered through `perm`.
+#
+# - GEMV path (M <= 4, decode): no tensor cores, an fp32 broadcast-multiply-reduce into an
+#   [M, BLOCK_N] accumulator; the grid is (N / BLOCK_N, SPLIT_K) where SPLIT_K cuts the groups
+#   into ranges when N alone can't fill the GPU. Each weight byte is read from DRAM once; the
+#   SPLIT_K fp32 partials ([SPLIT_K, M, N], tiny) are summed afterwards.
+# - Tiled path (larger M): tl.dot on [BLOCK_M, 32] x [32, BLOCK_N] tiles (dequantized weights
+#   cast to the activation dtype, fp32 accumulation), autotuned over tile shapes on a GPU.
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _dequant_chunk(qw_ptr, stride_qw, word0, bits, cols, col_mask, scale, minv, HAS_MINS: tl.constexpr):
+    """Dequantized fp32 [32, BLOCK_N] of the chunk whose first word row is word0."""
+    j = tl.arange(0, 32)
+    off = j * bits
+    word = word0 + off // 32
+    shift = off % 32
+    straddle = shift + bits > 32
+    ptr = qw_ptr + word.to(tl.int64)[:, None] * stride_qw + cols[None, :]
+    lo = tl.load(ptr, mask=col_mask[None, :], other=0).to(tl.uint32, bitcast=True)
+    hi = tl.load(ptr + stride_qw, mask=straddle[:, None] & col_mask[None, :], other=0).to(tl.uint32, bitcast=True)
+    value = lo >> shift.to(tl.uint32)[:, None]
+    value = value | tl.where(straddle[:, None], hi << ((32 - shift) % 32).to(tl.uint32)[:, None], 0)
+    q = (value & ((1 << bits) - 1).to(tl.uint32)).to(tl.float32)
+    if HAS_MINS:
+        w = q * scale[None, :] + minv[None, :]
+    else:
+        w = (q - (1 << (bits - 1)).to(tl.float32)) * scale[None, :]
+    return w
+
+
+@triton.jit
+def _dq_gemv_kernel(
+    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, mins_ptr, perm_ptr, part_ptr,
+    M, N, num_groups, groups_per_split,
+    stride_xm, stride_qw, stride_s, stride_pk, stride_pm,
+    GROUP_SIZE: tl.constexpr, HAS_MINS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    rows_m = tl.arange(0, M_PAD)
+    m_mask = rows_m < M
+    j = tl.arange(0, 32)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    g_lo = split * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+    for g in range(g_lo, g_hi):
+        bits = tl.load(qgroups_ptr + 2 * g)
+        word0 = tl.load(qgroups_ptr + 2 * g + 1)
+        scale = tl.load(scales_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        minv = scale
+        if HAS_MINS:
+            minv = tl.load(mins_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        for c in range(GROUP_SIZE // 32):
+            w = _dequant_chunk(qw_ptr, stride_qw, word0 + c * bits, bits, cols, col_mask, scale, minv, HAS_MINS)
+            k_idx = tl.load(perm_ptr + g * GROUP_SIZE + c * 32 + j).to(tl.int64)
+            xk = tl.load(x_ptr + rows_m[:, None] * stride_xm + k_idx[None, :], mask=m_mask[:, None], other=0.0)
+            acc += tl.sum(xk.to(tl.float32)[:, :, None] * w[None, :, :], 1)
+    out = part_ptr + split * stride_pk + rows_m[:, None] * stride_pm + cols[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _dq_mm_kernel(
+    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, mins_ptr, perm_ptr, bias_ptr, y_ptr,
+    M, N, num_groups,
+    stride_xm, stride_qw, stride_s, stride_ym,
+    M_BUCKET,  # unused by the kernel: the autotuner's key, so M need not match exactly
+    GROUP_SIZE: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rows_m < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    j = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm
+    for g in range(0, num_groups):
+        bits = tl.load(qgroups_ptr + 2 * g)
+        word0 = tl.load(qgroups_ptr + 2 * g + 1)
+        scale = tl.load(scales_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        minv = scale
+        if HAS_MINS:
+            minv = tl.load(mins_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        for c in range(GROUP_SIZE // 32):
+            w = _dequant_chunk(qw_ptr, stride_qw, word0 + c * bits, bits, cols, col_mask, scale, minv, HAS_MINS)
+            k_idx = tl.load(perm_ptr + g * GROUP_SIZE + c * 32 + j).to(tl.int64)
+            xk = tl.load(x_rows + k_idx[None, :], mask=m_mask[:, None], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(xk.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(xk, w.to(xk.dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & col_mask[None, :])
+
+
+def _mm_configs():
+    configs = []
+    for bm, bn, warps, stages in [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+                                  (128, 64, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4), (64, 256, 8, 3)]:
+        configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return configs
+
+
+def _prune_mm_configs(configs, named_args, **kwargs):
+    m = named_args["M"]
+    # Tiles much taller than M only waste tensor-core work; keep at least one config.
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, triton.next_power_of_2(m))]
+    return kept or configs[:1]
+
+
+_dq_mm_tuned = triton.autotune(
+    configs=_mm_configs(),
+    key=["M_BUCKET", "N", "num_groups", "GROUP_SIZE", "HAS_MINS"],
+    prune_configs_by={"early_config_prune": _prune_mm_configs},
+)(_dq_mm_kernel)
+
+GEMV_MAX_M = 4
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: small, so split-K still gets exercised
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _gemv_split_k(n_blocks: int, num_groups: int, device: torch.device) -> int:
+    """Groups are cut into this many ranges so that about two programs run per SM."""
+    want = triton.cdiv(2 * _sm_count(device), n_blocks)
+    return max(1, min(want, num_groups))
+
+
+def dequant_matmul_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qgroups: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    perm: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `dequant_matmul_ref`: y[M, N] in x.dtype, fp32 accumulation."""
+    assert x.dim() == 2 and group_size % 32 == 0
+    m, k = x.shape
+    n = qweight.shape[1]
+    num_groups = qgroups.shape[0]
+    assert num_groups * group_size == k, "perm / group layout does not cover x's columns"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    qweight, qgroups, scales = qweight.contiguous(), qgroups.contiguous(), scales.contiguous()
+    mins_arg = mins.contiguous() if mins is not None else scales
+    perm = perm.contiguous()
+    interpreted = type(_dq_mm_kernel).__name__ == "InterpretedFunction"
+    if m == 0:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+
+    if m <= GEMV_MAX_M:
+        block_n = 64 if not interpreted else 32
+        n_blocks = triton.cdiv(n, block_n)
+        split_k = _gemv_split_k(n_blocks, num_groups, x.device)
+        groups_per_split = triton.cdiv(num_groups, split_k)
+        split_k = triton.cdiv(num_groups, groups_per_split)
+        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        _dq_gemv_kernel[(n_blocks, split_k)](
+            x, qweight, qgroups, scales, mins_arg, perm, part,
+            m, n, num_groups, groups_per_split,
+            x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1),
+            GROUP_SIZE=group_size, HAS_MINS=mins is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
+        )
+        y = part[0] if split_k == 1 else part.sum(0)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    common = dict(GROUP_SIZE=group_size, HAS_MINS=mins is not None, HAS_BIAS=bias is not None)
+    args = (x, qweight, qgroups, scales, mins_arg, perm, bias if bias is not None else scales, y,
+            m, n, num_groups, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+            min(triton.next_power_of_2(m), 4096))
+    if interpreted:
+        grid = (triton.cdiv(m, 16), triton.cdiv(n, 32))
+        _dq_mm_kernel[grid](*args, **common, DOT_F32=True, BLOCK_M=16, BLOCK_N=32)
+    else:
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+        _dq_mm_tuned[grid](*args, **common, DOT_F32=x.dtype == torch.float32)
+    return y
