@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from qrun.errors import QrunError
 from qrun.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qrun.llm import LLM
 
 # Decimal and binary size suffixes accepted by --kv-cache-memory (case-insensitive).
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -80,3 +86,374 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags the user set, as EngineConfig keyword arguments (model excluded)."""
     return {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name, None) is not None}
+
+
+# -- shared by the commands --------------------------------------------------------------------
+def load_llm(model: str, engine_args: dict[str, Any]) -> "LLM":
+    """Load with a spinner on stderr, since the first use of a model may download it."""
+    from rich.console import Console
+
+    from qrun.llm import LLM
+
+    with Console(stderr=True).status(f"loading {model}"):
+        return LLM(model, **engine_args)
+
+
+def chat_prompt_ids(llm: "LLM", messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template, ready for a reply."""
+    text = llm.tokenizer.apply_chat_template(messages)
+    # The template writes any BOS itself, as Hugging Face's apply_chat_template(tokenize=True) assumes.
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder, .gguf file, alias (smollm2-135m) or hub id (owner/name)")
+
+
+# -- generate ----------------------------------------------------------------------------------
+GENERATE_EPILOG = """\
+examples:
+  qrun generate smollm2-135m "The capital of France is" --max-tokens 8 --temperature 0
+  qrun generate smollm2-135m "Write a haiku about rain" --chat --temperature 0.7
+  qrun generate smollm2-135m --input qrun/data/sample_prompts.jsonl --output answers.jsonl
+
+--input lines are JSON objects: {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
+optionally with "id" and sampling fields ("max_tokens", "temperature", "stop", ...) that override the flags.
+Outputs are JSON lines in input order: {"line", "id", "text", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens"}, or {"line", "error"} for a skipped line."""
+
+# Fields a batch line may carry besides its prompt: the sampling flags, plus a few
+# SamplingParams fields with no flag of their own. n and logprobs change the output shape.
+BATCH_SAMPLING_FIELDS = (*SAMPLING_FIELDS, "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    if (args.prompt is None) == (args.input is None):
+        raise UsageError("give either a PROMPT or --input FILE.jsonl")
+    if args.output and args.input is None:
+        raise UsageError("--output needs --input; a single prompt streams to stdout")
+    base = sampling_params_from(args)  # validates the flags before the slow model load
+    llm = load_llm(args.model, engine_args_from(args))
+    if args.prompt is not None:
+        _generate_one(llm, args.prompt, base, args.chat)
+    else:
+        _generate_batch(llm, args)
+
+
+def _generate_one(llm: "LLM", prompt: str, params: SamplingParams, chat: bool) -> None:
+    import sys
+    import time
+
+    from qrun.chat import stats_line, stream_outputs
+
+    ids = chat_prompt_ids(llm, [{"role": "user", "content": prompt}]) if chat else prompt
+    start, shown, output = time.perf_counter(), 0, None
+    for output in stream_outputs(llm, ids, params):
+        sys.stdout.write(output.text[shown:])
+        sys.stdout.flush()
+        shown = len(output.text)
+    sys.stdout.write("\n")
+    print(f"{stats_line(output, time.perf_counter() - start)}, finish: {output.finish_reason}", file=sys.stderr)
+
+
+def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[list[int], SamplingParams]:
+    """One --input line -> (prompt ids, params); ValueError says what is wrong with it."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    unknown = sorted(set(record) - {"prompt", "messages", "id", *BATCH_SAMPLING_FIELDS})
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r}")
+    prompt, messages = record.get("prompt"), record.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ValueError('give exactly one of "prompt" or "messages"')
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError('"prompt" must be a non-empty string')
+        if args.chat:
+            messages = [{"role": "user", "content": prompt}]
+    if messages is not None and not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ValueError('"messages" must be a non-empty list of {"role": str, "content": str}')
+    try:
+        params = sampling_params_from(args, **{k: v for k, v in record.items() if k in BATCH_SAMPLING_FIELDS})
+    except TypeError as err:  # a string where a number belongs fails SamplingParams' comparisons
+        raise ValueError(f"a sampling field has the wrong type ({err})") from None
+    ids = chat_prompt_ids(llm, messages) if messages is not None else llm.tokenizer.encode(prompt)
+    # Checked here rather than left to the engine, which would reject the whole batch.
+    engine = llm.engine
+    limit = min(engine.max_model_len, engine.block_manager.num_blocks * engine.config.block_size)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) + params.max_tokens > limit:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                         f"{limit} tokens one request may use")
+    return ids, params
+
+
+def _generate_batch(llm: "LLM", args: argparse.Namespace) -> None:
+    import sys
+    import time
+
+    path = Path(args.input)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise QrunError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    records: list[dict[str, Any]] = []  # one per non-blank line, in input order
+    jobs: list[tuple[int, list[int], SamplingParams]] = []  # (index in records, ids, params)
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            ids, params = parse_batch_line(llm, text, args)
+        except ValueError as err:
+            message = f"{path}:{number}: {err}"
+            if args.strict:
+                raise QrunError(f"{message} (--strict stops at the first bad line)") from None
+            print(f"qrun: skipping {message}", file=sys.stderr)
+            records.append({"line": number, "error": str(err)})
+            continue
+        record: dict[str, Any] = {"line": number}
+        line_id = json.loads(text).get("id")
+        if line_id is not None:
+            record["id"] = line_id
+        jobs.append((len(records), ids, params))
+        records.append(record)
+    if not jobs:
+        raise QrunError(f"{path} has no valid requests")
+    start = time.perf_counter()
+    outputs = llm.generate([ids for _, ids, _ in jobs], [params for _, _, params in jobs], progress=True)
+    elapsed = time.perf_counter() - start
+    for (index, _, _), output in zip(jobs, outputs):
+        records[index].update(text=output.text, finish_reason=output.finish_reason,
+                              prompt_tokens=output.metrics.num_prompt_tokens,
+                              completion_tokens=len(output.token_ids),
+                              cached_tokens=output.metrics.num_cached_tokens)
+    _write_jsonl(records, args.output)
+    generated = sum(len(o.token_ids) for o in outputs)
+    prompt_tokens = sum(o.metrics.num_prompt_tokens for o in outputs)
+    skipped = len(records) - len(jobs)
+    print(f"{len(jobs)} requests{f' ({skipped} skipped)' if skipped else ''}, {prompt_tokens} prompt tokens, "
+          f"{generated} generated tokens in {elapsed:.1f} s: {generated / max(elapsed, 1e-9):.1f} tokens/s",
+          file=sys.stderr)
+
+
+def _write_jsonl(records: list[dict[str, Any]], output: str | None) -> None:
+    """To stdout, or to `output` via a temporary file renamed into place (never half-written)."""
+    import os
+    import sys
+    import tempfile
+
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    target = Path(output)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as err:
+        raise QrunError(f"cannot write {target}: {err.strerror}") from None
+
+
+# -- info --------------------------------------------------------------------------------------
+INFO_EPILOG = """\
+examples:
+  qrun info smollm2-135m
+  qrun info ./my-model-q4 --kv-cache-memory 2GiB --block-size 32"""
+
+
+def run_info(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from qrun.llm_engine import DEFAULT_KV_FRACTION, EngineConfig, available_memory
+    from qrun.loader import load_model
+    from qrun.model import KVCache
+    from qrun.quant import QuantLinear
+
+    config = EngineConfig(model=args.model, **engine_args_from(args))
+    with Console(stderr=True).status(f"loading {args.model}"):
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    model, mc = loaded.model, loaded.config
+    # Quantized layers store packed integers: count their logical weights and actual bits.
+    params = bits = 0.0
+    quantized: list[tuple[str, QuantLinear]] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            quantized.append((name, module))
+            weights = module.in_features * module.out_features
+            params += weights
+            bits += weights * module.layout.bpw()
+            seen.update(id(p) for n, p in module.named_parameters() if n != "bias")
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))  # a tied head shares the embedding: count it once
+            params += p.numel()
+            bits += p.numel() * p.element_size() * 8
+    max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+    per_block = KVCache.bytes_per_block(mc, config.block_size, loaded.dtype)
+    memory = config.kv_cache_memory
+    budget = memory if isinstance(memory, int) else int(
+        available_memory(loaded.device) * (memory or DEFAULT_KV_FRACTION.get(loaded.device.type, 0.1)))
+    kv_tokens = budget // per_block * config.block_size
+
+    console = Console(highlight=False)
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    table.add_row("model", f"{args.model} ({loaded.source.kind}: {loaded.source.path})")
+    table.add_row("architecture", f"{mc.architecture}: {mc.num_layers} layers, hidden {mc.hidden_size}, "
+                  f"{mc.num_heads} heads ({mc.num_kv_heads} KV) x {mc.head_dim}, vocab {mc.vocab_size}")
+    table.add_row("context", f"{max_len} tokens" + (f" (model: {mc.max_model_len})" if max_len != mc.max_model_len
+                                                    else ""))
+    table.add_row("parameters", f"{params / 1e6:,.1f} M")
+    table.add_row("dtype", f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}")
+    table.add_row("weights", f"{bits / 8 / 2**20:,.1f} MiB, {bits / max(params, 1):.2f} bits per weight")
+    table.add_row("KV cache", f"{kv_tokens:,} tokens in {budget / 2**20:,.1f} MiB "
+                  f"({per_block * 1024 // config.block_size / 1024:,.1f} KiB per token, block {config.block_size})")
+    qconfig = loaded.hf_config.get("quantization_config")
+    if isinstance(qconfig, dict):
+        scalars = ", ".join(f"{k}={v}" for k, v in qconfig.items() if isinstance(v, (str, int, float, bool)))
+        table.add_row("quantization", scalars or "(no scalar settings)")
+    console.print(table)
+    if quantized:
+        layers = Table("layer", "shape", "group", "bits per input group", "bpw", box=None, padding=(0, 2))
+        for name, module in quantized:
+            runs = ", ".join(f"{b}b x {n}" for b, n in module.layout.runs())
+            layers.add_row(name, f"{module.out_features}x{module.in_features}", str(module.group_size), runs,
+                           f"{module.layout.bpw():.3f}")
+        console.print(layers)
+
+
+# -- the parser and main -----------------------------------------------------------------------
+class UsageError(Exception):
+    """Wrong combination of arguments: reported like argparse's own errors, exit code 2."""
+
+
+# Subcommands other modules implement: (name, module, add-arguments function, run function, help).
+# Each module is imported only when its subcommand is used, so `qrun generate` never pays for it.
+EXTERNAL_COMMANDS = (
+    ("convert", "qrun.convert.main", "add_convert_arguments", "run_convert", "quantize a model to mixed-bit weights"),
+    ("ppl", "qrun.perplexity", "add_ppl_arguments", "run_ppl", "measure perplexity on a text"),
+    ("serve", "qrun.server", "add_serve_arguments", "run_serve", "serve an OpenAI-compatible HTTP API"),
+)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The full parser; an external subcommand's module is imported only if argv invokes it."""
+    import importlib
+    from importlib.metadata import version
+
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a subcommand's unset --debug must not overwrite `qrun --debug CMD`.
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks and engine logs")
+    parser = argparse.ArgumentParser(
+        prog="qrun", description="Quantized LLM inference: paged KV cache, continuous batching.",
+        epilog='example: qrun generate smollm2-135m "The capital of France is" --max-tokens 8 --temperature 0',
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks and engine logs")
+    parser.add_argument("--version", action="version", version=f"qrun {version('qrun')}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, epilog: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help_text, description=help_text, epilog=epilog, parents=[common],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    gen = add("generate", "generate text for one prompt (streamed) or a JSONL batch", GENERATE_EPILOG)
+    _model_argument(gen)
+    gen.add_argument("prompt", nargs="?", help="the prompt; its completion streams to stdout")
+    gen.add_argument("--input", metavar="FILE.jsonl", help="run a batch of requests, one JSON object per line")
+    gen.add_argument("--output", metavar="FILE.jsonl", help="write the batch outputs here instead of stdout")
+    gen.add_argument("--strict", action="store_true", help="fail on a malformed --input line instead of skipping it")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
+    gen.set_defaults(run=run_generate)
+    add_sampling_arguments(gen)
+    add_engine_arguments(gen)
+
+    from qrun.chat import run_chat
+
+    chat = add("chat", "chat with a model in the terminal", CHAT_EPILOG)
+    _model_argument(chat)
+    chat.add_argument("--system", metavar="TEXT", help="system prompt")
+    chat.add_argument("--chat-template", metavar="FILE", help="a jinja2 chat template to use instead of the model's")
+    chat.set_defaults(run=run_chat, max_tokens=512)
+    add_sampling_arguments(chat)
+    add_engine_arguments(chat)
+
+    info = add("info", "show a model's architecture, size, quantization and KV cache capacity", INFO_EPILOG)
+    _model_argument(info)
+    info.set_defaults(run=run_info)
+    add_engine_arguments(info)
+
+    invoked = next((a for a in argv if not a.startswith("-")), None)
+    for name, module_name, add_name, run_name, help_text in EXTERNAL_COMMANDS:
+        if not _module_exists(module_name):
+            continue
+        sub = add(name, help_text, "")
+        if name == invoked:
+            module = importlib.import_module(module_name)
+            getattr(module, add_name)(sub)
+            sub.set_defaults(run=getattr(module, run_name))
+    return parser
+
+
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+CHAT_EPILOG = """\
+examples:
+  qrun chat smollm2-135m
+  qrun chat smollm2-135m --system "Answer in one sentence." --temperature 0.7
+  qrun chat ./my-model --chat-template template.jinja
+
+in the chat: /help, /reset, /system TEXT, /set temperature=0.7 top_p=0.9, /save FILE, /load FILE, /quit.
+Ctrl-C stops an answer; Ctrl-D exits."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+    import sys
+
+    import rich
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    # Progress bars and spinners (rich's global console) go to stderr; stdout carries only data.
+    rich.reconfigure(stderr=True)
+    if args.debug:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    try:
+        args.run(args)
+    except UsageError as err:
+        print(f"qrun {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (QrunError, ValueError) as err:
+        if args.debug:
+            raise
+        print(f"qrun: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("qrun: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

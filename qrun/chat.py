@@ -1,0 +1,257 @@
+"""`qrun chat`: an interactive, multi-turn terminal chat with streamed markdown answers.
+
+Each turn re-sends the whole conversation; the engine's prefix cache recognises the
+already-computed turns, so only the newest message is prefilled (the stats line shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.live import Live
+from rich.markdown import Markdown
+
+from qrun.errors import QrunError
+from qrun.llm import LLM, Prompt
+from qrun.sampling_params import SamplingParams
+from qrun.sequence import RequestOutput
+
+HELP = """\
+/help              this help
+/reset             forget the conversation (the system prompt stays)
+/system TEXT       set the system prompt (empty TEXT removes it)
+/set k=v ...       change sampling, e.g. /set temperature=0.7 top_p=0.9 max_tokens=200; /set alone shows them
+/save FILE         write the conversation as JSON
+/load FILE         read a conversation saved by /save
+/quit              exit (Ctrl-D works too); Ctrl-C stops an answer"""
+
+# Markdown re-rendering is O(answer length); a few frames per second look live and stay cheap.
+REFRESH_SECONDS = 0.1
+
+
+def stream_outputs(llm: LLM, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
+    """Like LLM.stream, but yields each RequestOutput, so callers also get token counts and
+    cache metrics; closing the generator early aborts the request and frees its blocks."""
+    engine = llm.engine
+    request_id = f"cli-{uuid.uuid4().hex}"
+    engine.add_request(request_id, prompt, params)
+    try:
+        while True:
+            for output in engine.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        return
+    finally:
+        engine.abort(request_id)
+
+
+def stats_line(output: RequestOutput, elapsed: float) -> str:
+    """`N tokens, X tokens/s, TTFT Y ms, C/P prompt tokens cached` for one finished request."""
+    metrics = output.metrics
+    tokens = len(output.token_ids)
+    ttft = (metrics.first_token_time - metrics.arrival_time) * 1000 if metrics.first_token_time else float("nan")
+    return (f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.1f} tokens/s, time to first token {ttft:.0f} ms, "
+            f"cached {metrics.num_cached_tokens}/{metrics.num_prompt_tokens} prompt tokens")
+
+
+def parse_settings(params: SamplingParams, assignments: list[str]) -> SamplingParams:
+    """Apply `key=value` pairs to `params`; values are JSON (numbers, true, "text") or bare text."""
+    from qrun.cli import SAMPLING_FIELDS
+
+    changes: dict[str, Any] = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in SAMPLING_FIELDS:
+            raise ValueError(f"{item!r}: use key=value with key one of {', '.join(SAMPLING_FIELDS)}")
+        try:
+            changes[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            changes[key] = raw
+    try:
+        return dataclasses.replace(params, **changes)
+    except TypeError as err:  # a string where a number belongs fails SamplingParams' comparisons
+        raise ValueError(f"bad value in {' '.join(assignments)!r}: {err}") from None
+
+
+class ChatSession:
+    """The conversation and its settings, and turning it into prompts for the engine."""
+
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
+                 template: str | None = None):
+        self.llm = llm
+        self.params = params
+        self.system = system
+        self.template = template
+        self.messages: list[dict[str, str]] = []
+
+    @property
+    def context_limit(self) -> int:
+        """Most tokens one request may span: the model's context, or the whole KV cache if smaller."""
+        engine = self.llm.engine
+        return min(engine.max_model_len, engine.block_manager.num_blocks * engine.config.block_size)
+
+    def prompt_ids(self) -> list[int]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        text = self.llm.tokenizer.apply_chat_template(system + self.messages, template=self.template)
+        # The template writes any BOS itself, as Hugging Face's apply_chat_template(tokenize=True) assumes.
+        return self.llm.tokenizer.encode(text, add_special_tokens=False)
+
+    def fit(self) -> tuple[list[int], int]:
+        """Prompt ids for the conversation, dropping the oldest turns until it fits with room to
+        answer; returns (ids, number of messages dropped). Raises QrunError when even the
+        newest message alone does not fit."""
+        dropped = 0
+        while True:
+            ids = self.prompt_ids()
+            if len(ids) + self.params.max_tokens <= self.context_limit:
+                return ids, dropped
+            if len(self.messages) <= 1:
+                self.messages.clear()
+                raise QrunError(
+                    f"the message ({len(ids)} tokens) plus max_tokens={self.params.max_tokens} exceeds the "
+                    f"context of {self.context_limit} tokens; send a shorter message or /set max_tokens=...")
+            # Drop through the oldest user message and the answer that followed it.
+            cut = next((i for i, m in enumerate(self.messages[1:], 1) if m["role"] == "user"), 1)
+            dropped += cut
+            del self.messages[:cut]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"system": self.system, "messages": self.messages,
+                "sampling": {k: getattr(self.params, k) for k in ("max_tokens", "temperature", "top_p", "top_k",
+                                                                 "min_p", "repetition_penalty", "seed")}}
+
+    def load_json(self, data: Any) -> None:
+        """Accept what to_json wrote, or a bare list of {role, content} messages."""
+        if isinstance(data, list):
+            data = {"messages": data}
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("expected {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
+        params = dataclasses.replace(self.params, **data.get("sampling") or {})
+        self.system = data.get("system", self.system)
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self.params = params
+
+
+class ChatApp:
+    """The read-eval-print loop: input with readline history, commands, streamed answers."""
+
+    def __init__(self, session: ChatSession, console: Console):
+        self.session = session
+        self.console = console
+
+    def run(self) -> None:
+        import readline  # noqa: F401  (importing it gives input() arrow-key history and editing)
+
+        self.console.print("[dim]Type a message; /help for commands, Ctrl-D or /quit to exit.[/dim]")
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                self.console.print()
+                return
+            except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as in a shell
+                self.console.print()
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        return
+                else:
+                    self.answer(line)
+            except (QrunError, ValueError, OSError) as err:
+                self.console.print(f"[red]error:[/red] {err}", highlight=False)
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False means quit."""
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        session = self.session
+        if name in ("/quit", "/exit"):
+            return False
+        if name == "/help":
+            self.console.print(HELP, highlight=False, markup=False)
+        elif name == "/reset":
+            session.messages.clear()
+            self.console.print("[dim]conversation cleared[/dim]")
+        elif name == "/system":
+            session.system = rest or None
+            self.console.print(f"[dim]system prompt {'set' if rest else 'removed'}[/dim]")
+        elif name == "/set":
+            if rest:
+                session.params = parse_settings(session.params, rest.split())
+            self.console.print(f"[dim]{session.to_json()['sampling']}[/dim]", highlight=False)
+        elif name == "/save":
+            if not rest:
+                raise ValueError("usage: /save FILE")
+            Path(rest).expanduser().write_text(json.dumps(session.to_json(), indent=2, ensure_ascii=False))
+            self.console.print(f"[dim]saved {len(session.messages)} messages to {rest}[/dim]", highlight=False)
+        elif name == "/load":
+            if not rest:
+                raise ValueError("usage: /load FILE")
+            try:
+                data = json.loads(Path(rest).expanduser().read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{rest} is not JSON ({err})") from None
+            session.load_json(data)
+            self.console.print(f"[dim]loaded {len(session.messages)} messages from {rest}[/dim]", highlight=False)
+        else:
+            raise ValueError(f"unknown command {name}; /help lists them")
+        return True
+
+    def answer(self, text: str) -> None:
+        session = self.session
+        session.messages.append({"role": "user", "content": text})
+        ids, dropped = session.fit()
+        if dropped:
+            self.console.print(f"[yellow]context full: dropped the oldest {dropped} messages[/yellow]")
+        answer, output = "", None
+        start = time.perf_counter()
+        stream = stream_outputs(session.llm, ids, session.params)
+        try:
+            with Live(Markdown(""), console=self.console, auto_refresh=False, vertical_overflow="visible") as live:
+                shown = time.perf_counter()
+                for output in stream:
+                    answer = output.text
+                    if output.finished or time.perf_counter() - shown >= REFRESH_SECONDS:
+                        live.update(Markdown(answer), refresh=True)
+                        shown = time.perf_counter()
+        except KeyboardInterrupt:
+            stream.close()  # aborts the request
+            self.console.print("[yellow]interrupted[/yellow]")
+        # A partial answer stays in the conversation: it is what the user saw.
+        session.messages.append({"role": "assistant", "content": answer})
+        if output is not None:
+            self.console.print(stats_line(output, time.perf_counter() - start), style="dim", highlight=False)
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    from qrun.cli import engine_args_from, load_llm, sampling_params_from
+
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as err:
+            raise QrunError(f"cannot read the chat template {args.chat_template}: {err.strerror}") from None
+    llm = load_llm(args.model, engine_args_from(args))
+    console = Console(highlight=False)
+    if template is None and llm.tokenizer.chat_template is None:
+        console.print(f"[yellow]{args.model} has no chat template: using a plain 'role: content' format; "
+                      "pass --chat-template FILE for the model's own format[/yellow]")
+    session = ChatSession(llm, sampling_params_from(args), args.system, template)
+    ChatApp(session, console).run()
