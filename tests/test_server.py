@@ -1,0 +1,279 @@
+"""The OpenAI-compatible server, tested live: uvicorn on a free loopback port, real HTTP clients."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from qrun.async_llm import AsyncLLM  # noqa: E402
+from qrun.llm import LLM  # noqa: E402
+from qrun.sampling_params import SamplingParams  # noqa: E402
+from qrun.server import build_app  # noqa: E402
+
+ENGINE_ARGS = dict(device="cpu", kv_cache_memory=4_000_000, max_num_seqs=64, max_num_batched_tokens=512)
+PROMPTS = [f"prompt {i}: the {'quick ' * (i % 5)}brown fox" for i in range(32)]
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(app) -> Iterator[str]:
+    """Serve `app` from a thread on 127.0.0.1; yield its base URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    engine = AsyncLLM(str(tiny_llama_dir), **ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def url(llm) -> Iterator[str]:
+    with live_server(build_app(llm, model_name=MODEL)) as base:
+        yield base
+
+
+def _greedy(offline: LLM, prompts: list[str], max_tokens: int) -> list[str]:
+    outs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                            progress=False)
+    return [o.text for o in outs]
+
+
+def request(url: str, path: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, Any, dict]:
+    """(status, headers, parsed body) of one plain HTTP request."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw, status, hdrs = resp.read(), resp.status, resp.headers
+    except urllib.error.HTTPError as err:
+        raw, status, hdrs = err.read(), err.code, err.headers
+    text = raw.decode()
+    return status, hdrs, (json.loads(text) if text.startswith("{") else {"text": text})
+
+
+def metrics(url: str) -> dict[str, float]:
+    _, _, body = request(url, "/metrics")
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(qrun_\w+) (\S+)$", body["text"], re.M)}
+
+
+def wait_idle(url: str, timeout: float = 10) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(url)
+        if m["qrun_requests_running"] == 0 and m["qrun_kv_blocks_used"] == 0 and m["qrun_http_requests_in_flight"] == 0:
+            return m
+        assert time.time() < deadline, f"server did not return to idle: {m}"
+        time.sleep(0.05)
+
+
+def client(url: str, api_key: str = "none") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
+
+
+# -- the openai client -------------------------------------------------------------------------
+def test_models_and_health(url):
+    assert request(url, "/health")[0] == 200
+    assert [m.id for m in client(url).models.list().data] == [MODEL]
+
+
+def test_completions_match_offline_greedy(url, offline):
+    want = _greedy(offline, PROMPTS[:2], 12)
+    c = client(url)
+    got = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want[0] and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 12
+    streamed = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+                                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want[1]
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_matches_offline_greedy(url, offline, llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    want = _greedy(offline, [prompt], 10)[0]
+    c = client(url)
+    got = c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0,
+                                    logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    assert len(got.choices[0].logprobs.content) == 10
+    assert all(len(t.top_logprobs) == 2 for t in got.choices[0].logprobs.content)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_seed(url):
+    c = client(url)
+    got = c.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=3, seed=7, temperature=1.0)
+    assert sorted(ch.index for ch in got.choices) == [0, 1, 2]
+    again = c.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=3, seed=7, temperature=1.0)
+    assert [ch.text for ch in got.choices] == [ch.text for ch in again.choices]
+
+
+# -- concurrency -------------------------------------------------------------------------------
+def test_32_concurrent_streams_batch_and_match_offline(url, offline):
+    max_tokens = 24
+    want = _greedy(offline, PROMPTS, max_tokens)
+    peak_running = 0
+
+    async def one(c: "openai.AsyncOpenAI", prompt: str) -> str:
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        parts, reasons = [], []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            reasons.append(chunk.choices[0].finish_reason)
+        assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+        return "".join(parts)
+
+    async def watch(done: asyncio.Event) -> None:
+        nonlocal peak_running
+        while not done.is_set():
+            m = await asyncio.to_thread(metrics, url)
+            peak_running = max(peak_running, m["qrun_requests_running"])
+            await asyncio.sleep(0.02)
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        try:
+            return await asyncio.gather(*(one(c, p) for p in PROMPTS))
+        finally:
+            done.set()
+            await watcher
+            await c.close()
+
+    got = asyncio.run(main())
+    assert got == want
+    assert peak_running > 1
+    m = wait_idle(url)
+    assert m["qrun_time_to_first_token_seconds_count"] >= 32
+
+
+def test_disconnect_mid_stream_frees_blocks(url):
+    before = wait_idle(url)["qrun_generation_tokens_total"]
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": "a long story", "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: ")
+    assert metrics(url)["qrun_kv_blocks_used"] > 0
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    m = wait_idle(url)
+    assert m["qrun_generation_tokens_total"] - before < 400  # aborted, not run to max_tokens
+    status, _, body = request(url, "/v1/completions", {"prompt": "still here", "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+# -- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": 5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "n": "two"}, "n"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": 12}, "prompt"),
+])
+def test_bad_fields_are_400_naming_the_field(url, body, param):
+    status, _, reply = request(url, "/v1/completions", {"model": MODEL, "unknown_field": 1, **body})
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and param in reply["error"]["message"]
+
+
+def test_request_that_can_never_fit_is_400(url, llm):
+    too_long = llm.engine.max_model_len + 10
+    status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": too_long})
+    assert status == 400 and "context" in reply["error"]["message"]
+    status, _, reply = request(url, "/v1/chat/completions", {"messages": "hi"})
+    assert status == 400 and reply["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        client(url).completions.create(model=MODEL, prompt="x", max_tokens=too_long, stream=True)
+    assert request(url, "/health")[0] == 200
+    wait_idle(url)
+
+
+def test_api_key(llm):
+    with live_server(build_app(llm, api_key="sekret", model_name=MODEL)) as base:
+        status, _, reply = request(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 401 and reply["error"]["type"] == "authentication_error"
+        assert request(base, "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(base, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        got = client(base, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert got.usage.completion_tokens >= 1
+        assert request(base, "/health")[0] == 200
+
+
+def test_queue_full_is_429(tiny_llama_dir):
+    # One engine slot and no queue: a second request while one streams is turned away.
+    small = AsyncLLM(str(tiny_llama_dir), **{**ENGINE_ARGS, "max_num_seqs": 1})
+    try:
+        with live_server(build_app(small, max_queue=0, model_name=MODEL)) as base:
+            conn = http.client.HTTPConnection("127.0.0.1", int(base.rsplit(":", 1)[1]), timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({
+                "prompt": "busy", "max_tokens": 300, "ignore_eos": True, "stream": True}),
+                {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.readline().startswith(b"data: ")
+            status, headers, reply = request(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 429 and int(headers["Retry-After"]) >= 1
+            assert reply["error"]["type"] == "rate_limit_error"
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            wait_idle(base)
+            status, _, reply = request(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 200
+    finally:
+        small.shutdown()
