@@ -69,7 +69,8 @@ def _gguf_name(hf: str) -> str:
 
 
 def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], quant: bool = False,
-                tokenizer: dict | None = None) -> None:
+                tokenizer: dict | None = None, extra: dict[str, np.ndarray] | None = None,
+                rope_theta: float = 10000.0) -> None:
     """Write `tensors` (HF names and layout) the way convert_hf_to_gguf.py would: renamed, Llama's
     q/k permuted, 2-D weights Q8_0 when `quant` (norms and biases stay F32)."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -79,7 +80,7 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], quant: bo
     w.add_feed_forward_length(TINY["ffn"])
     w.add_head_count(TINY["heads"])
     w.add_head_count_kv(TINY["kv_heads"])
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(TINY["vocab"])
     tok = tokenizer or {"model": "gpt2", "tokens": [f"t{i}" for i in range(TINY["vocab"])], "merges": []}
@@ -103,6 +104,8 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], quant: bo
             w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(value))
+    for name, value in (extra or {}).items():
+        w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -161,6 +164,32 @@ def test_written_file_config_is_hf_shaped_and_untied_with_output_weight(tmp_path
     assert cfg.max_position_embeddings == 128 and not cfg.tie_word_embeddings
     assert cfg.rms_norm_eps == pytest.approx(1e-6)
     assert model.tokenizer_config["chat_template"] == "{{ messages }}"
+
+
+def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path):
+    # convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for Llama 3.1 (factor 8).
+    factor, low, high, original = 8.0, 1.0, 4.0, 8192
+    head_dim = TINY["hidden"] // TINY["heads"]
+    theta = 500000.0
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2) / head_dim))
+    divisors = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    assert len(set(divisors)) == 3  # all three regimes are exercised
+    _write_gguf(tmp_path / "l3.gguf", "llama", _tiny_hf_tensors(),
+                extra={"rope_freqs.weight": np.array(divisors, np.float32)}, rope_theta=theta)
+    model = open_gguf(tmp_path / "l3.gguf")
+    assert model.hf_config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert "rope_freqs.weight" not in dict(model.tensors())
+    assert ModelConfig.from_hf(model.hf_config).rope_scaling["rope_type"] == "llama3"
 
 
 def test_unsupported_architecture_is_named_in_the_error(tmp_path):
