@@ -48,6 +48,7 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
            ) -> tuple[list[int], list[dict[int, float] | None]]:
     """One token per row of `logits` ([B, V] float32), and its logprobs where asked for."""
