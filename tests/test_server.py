@@ -27,6 +27,8 @@ from qrun.server import build_app  # noqa: E402
 ENGINE_ARGS = dict(device="cpu", kv_cache_memory=4_000_000, max_num_seqs=64, max_num_batched_tokens=512)
 PROMPTS = [f"prompt {i}: the {'quick ' * (i % 5)}brown fox" for i in range(32)]
 MODEL = "tiny"
+# Loopback requests must never go through a proxy named in the environment.
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _free_port() -> int:
@@ -82,7 +84,7 @@ def request(url: str, path: str, body: dict | None = None, headers: dict | None 
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with NO_PROXY.open(req, timeout=30) as resp:
             raw, status, hdrs = resp.read(), resp.status, resp.headers
     except urllib.error.HTTPError as err:
         raw, status, hdrs = err.read(), err.code, err.headers
