@@ -1,0 +1,124 @@
+"""qrun chat: the session logic in-process, and the terminal program through a pty."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+from qrun.chat import ChatApp, ChatSession, parse_settings, stream_outputs
+from qrun.errors import QrunError
+from qrun.llm import LLM
+from qrun.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=8 * 2**20, max_model_len=160)
+
+
+def ask(session: ChatSession, text: str):
+    session.messages.append({"role": "user", "content": text})
+    ids, _ = session.fit()
+    *_, output = stream_outputs(session.llm, ids, session.params)
+    session.messages.append({"role": "assistant", "content": output.text})
+    return output
+
+
+def test_second_turn_prefills_only_the_new_message(tiny_llm):
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=8, temperature=0), system="Be brief.")
+    first = ask(session, "Tell me something about the sea, please.")
+    assert first.metrics.num_cached_tokens == 0
+    second = ask(session, "And about mountains?")
+    # Everything up to the first answer is in the prefix cache, in whole blocks.
+    assert second.metrics.num_cached_tokens >= (first.metrics.num_prompt_tokens // 16) * 16 > 0
+
+
+def test_context_overflow_drops_the_oldest_turns(tiny_llm):
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=20, temperature=0))
+    for turn in range(3):
+        session.messages += [{"role": "user", "content": f"question {turn} " + "x" * 40},
+                             {"role": "assistant", "content": "y" * 40}]
+    session.messages.append({"role": "user", "content": "the newest question"})
+    ids, dropped = session.fit()
+    assert dropped >= 2 and dropped % 2 == 0
+    assert len(ids) + 20 <= session.context_limit
+    assert session.messages[0]["role"] == "user" and session.messages[-1]["content"] == "the newest question"
+    session.messages = [{"role": "user", "content": "z" * 400}]
+    with pytest.raises(QrunError, match="exceeds the context"):
+        session.fit()
+    assert session.messages == []
+
+
+def test_set_parses_values_and_rejects_bad_ones():
+    params = parse_settings(SamplingParams(), ["temperature=0.7", "top_p=0.9", "max_tokens=30", "stop=END"])
+    assert (params.temperature, params.top_p, params.max_tokens, params.stop_strings) == (0.7, 0.9, 30, ("END",))
+    for bad in (["temperature"], ["colour=blue"], ["top_p=2"], ["temperature=hot"]):
+        with pytest.raises(ValueError):
+            parse_settings(params, bad)
+
+
+def test_commands_save_load_reset_system(tiny_llm, tmp_path):
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=8))
+    app = ChatApp(session, Console(file=io.StringIO()))
+    session.messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert app.command("/system Talk like a pirate.") and session.system == "Talk like a pirate."
+    assert app.command("/set temperature=0.2") and session.params.temperature == 0.2
+    path = tmp_path / "conversation.json"
+    app.command(f"/save {path}")
+    assert json.loads(path.read_text())["messages"][1]["content"] == "hello"
+    app.command("/reset")
+    assert session.messages == []
+    session.system, session.params = None, SamplingParams()
+    app.command(f"/load {path}")
+    assert len(session.messages) == 2 and session.system == "Talk like a pirate."
+    assert session.params.temperature == 0.2 and session.params.max_tokens == 8
+    with pytest.raises(ValueError, match="unknown command"):
+        app.command("/frobnicate")
+    assert app.command("/quit") is False
+
+
+def test_terminal_session_streams_interrupts_and_quits(tiny_llama_dir, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "qrun.cli", "chat", str(tiny_llama_dir), "--temperature", "0",
+                                           "--max-tokens", "12", "--kv-cache-memory", "8MiB", "--device", "cpu"],
+                          encoding="utf-8", timeout=120, dimensions=(40, 120), env={"TERM": "xterm", **_env()})
+    stats = r"cached (\d+)/(\d+) prompt tokens"
+    try:
+        child.expect(">>> ")
+        child.sendline("Hello! Please tell me a long story about the sea.")
+        child.expect(stats)
+        assert int(child.match.group(1)) == 0
+        child.expect(">>> ")
+        child.sendline("Another one, about the mountains.")
+        child.expect(stats)
+        assert int(child.match.group(1)) > 0  # the first turn came from the prefix cache
+        child.expect(">>> ")
+        child.sendline("/set max_tokens=300 ignore_eos=true")
+        child.expect(">>> ")
+        child.sendline("Now a very long one.")
+        time.sleep(0.5)
+        child.sendintr()
+        child.expect("interrupted")
+        child.expect(">>> ")
+        child.sendline("/help")
+        child.expect("/reset")
+        child.expect(">>> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+    transcript = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", child.before or "")
+    assert "Traceback" not in transcript
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "TERM"}
