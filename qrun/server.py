@@ -465,7 +465,7 @@ class Server:
                 yield _sse(render.usage_chunk(job, _usage(latest)))
             yield "data: [DONE]\n\n"
             status = 200
-        except (RequestError, ValueError, QrunError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - a failed engine step, reported to this client only
             # Headers are out: report the failure in-band, as OpenAI does.
             status = 500
             yield _sse(ApiError(500, str(err), kind="server_error").body())
