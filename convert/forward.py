@@ -1,0 +1,145 @@
+"""Running one decoder layer over calibration rows, capturing what quantization needs.
+
+Each calibration row is one sequence of L tokens; a chunk of rows runs as one flat prefill
+batch over a throwaway one-layer KV cache (one block of L slots per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qrun.convert.gptq import HessianAccumulator
+from qrun.kernels import ops_for
+from qrun.model import AttentionMetadata, DecoderLayer
+
+ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Linears that share one input (and so one Hessian), in the order GPTQ runs them.
+SHARED_INPUTS = {
+    "attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn_out": ("self_attn.o_proj",),
+    "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp_out": ("mlp.down_proj",),
+}
+BLOCKS = {"attn": ("attn_in", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
+
+
+def build_layer(config, tensors: dict[str, torch.Tensor]) -> DecoderLayer:
+    layer = DecoderLayer(config, ops_for(torch.device("cpu")))
+    layer.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    return layer.eval().requires_grad_(False)
+
+
+@dataclass
+class Rows:
+    """Residual-stream state of every calibration row between two layers ([R, L, H] each)."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+
+
+def save_rows(rows: Rows, path) -> None:
+    from qrun.convert.job import atomic_torch_save
+
+    atomic_torch_save({"x": rows.x, "residual": rows.residual}, path)
+
+
+def load_rows(path) -> Rows:
+    data = torch.load(path, weights_only=True)
+    return Rows(data["x"], data["residual"])
+
+
+class LayerRunner:
+    def __init__(self, config, cos_sin: torch.Tensor, row_len: int, chunk_rows: int):
+        self.config = config
+        self.cos_sin = cos_sin
+        self.row_len = row_len
+        self.chunk_rows = chunk_rows
+
+    def _meta(self, rows: int):
+        length = self.row_len
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(rows * length),
+            block_tables=torch.arange(rows, dtype=torch.int32)[:, None],
+            seq_lens=torch.full((rows,), length, dtype=torch.int32),
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32) * length,
+            max_query_len=length, max_seq_len=length,
+        )
+        shape = (rows, length, self.config.num_kv_heads, self.config.head_dim)
+        positions = torch.arange(length).repeat(rows)
+        return meta, positions, torch.zeros(shape), torch.zeros(shape)
+
+    def attention(self, layer: DecoderLayer, h: torch.Tensor, capture=None) -> torch.Tensor:
+        """Attention sub-block on normed input h [r, L, H] -> [r, L, H]."""
+        r = h.shape[0]
+        meta, positions, kc, vc = self._meta(r)
+        hook = None
+        if capture is not None:
+            hook = layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: capture(a[0]))
+        try:
+            out = layer.self_attn(h.reshape(r * self.row_len, -1), positions, self.cos_sin, meta, kc, vc)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return out.view(r, self.row_len, -1)
+
+    def mlp(self, layer: DecoderLayer, h: torch.Tensor, capture=None) -> torch.Tensor:
+        hook = None
+        if capture is not None:
+            hook = layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: capture(a[0]))
+        try:
+            return layer.mlp(h)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def run(self, layer: DecoderLayer, rows: Rows, hessians: dict[str, HessianAccumulator] | None = None,
+            keep_inputs: int = 0):
+        """Run the layer over all rows. Returns (next Rows, sub-block inputs of the first
+        `keep_inputs` rows: {"attn": [k, L, H], "mlp": [k, L, H]})."""
+        xs, residuals, kept_attn, kept_mlp = [], [], [], []
+        for start in range(0, rows.x.shape[0], self.chunk_rows):
+            x = rows.x[start:start + self.chunk_rows]
+            res = None if rows.residual is None else rows.residual[start:start + self.chunk_rows]
+            h, res = layer.input_layernorm(x, res)
+            if hessians is not None:
+                hessians["attn_in"].add(h)
+            a = self.attention(layer, h, hessians["attn_out"].add if hessians is not None else None)
+            h2, res = layer.post_attention_layernorm(a, res)
+            if hessians is not None:
+                hessians["mlp_in"].add(h2)
+            m = self.mlp(layer, h2, hessians["mlp_out"].add if hessians is not None else None)
+            if start < keep_inputs:
+                kept_attn.append(h[: keep_inputs - start])
+                kept_mlp.append(h2[: keep_inputs - start])
+            xs.append(m)
+            residuals.append(res)
+        kept = {"attn": torch.cat(kept_attn), "mlp": torch.cat(kept_mlp)} if keep_inputs else {}
+        return Rows(torch.cat(xs), torch.cat(residuals)), kept
+
+    def block_output(self, layer: DecoderLayer, block: str, h: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for start in range(0, h.shape[0], self.chunk_rows):
+            chunk = h[start:start + self.chunk_rows]
+            outs.append(self.attention(layer, chunk) if block == "attn" else self.mlp(layer, chunk))
+        return torch.cat(outs)
+
+
+def linear(layer: nn.Module, name: str) -> nn.Linear:
+    return layer.get_submodule(name)
+
+
+def new_hessians(config) -> dict[str, HessianAccumulator]:
+    return {
+        "attn_in": HessianAccumulator(config.hidden_size),
+        "attn_out": HessianAccumulator(config.num_heads * config.head_dim),
+        "mlp_in": HessianAccumulator(config.hidden_size),
+        "mlp_out": HessianAccumulator(config.intermediate_size),
+    }
+
+
+def relative_error(y_hat: torch.Tensor, y: torch.Tensor) -> float:
+    return float((y_hat - y).pow(2).sum() / y.pow(2).sum().clamp(min=1e-30))

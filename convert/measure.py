@@ -1,0 +1,182 @@
+"""Measurement pass: every candidate's error on every block (attention, MLP) of every layer.
+
+Inputs reach layer i through the full-precision layers before it. For each block and each
+candidate the block's matrices are quantized with GPTQ and the block's output on calibration
+rows is compared with the full-precision output (relative squared error).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, load_rows, new_hessians,
+                                  relative_error, save_rows)
+from qrun.convert.gptq import Candidate, QuantizedMatrix, gptq_quantize
+from qrun.convert.job import atomic_write_text, load_layer_tensors
+from qrun.convert.packing import MatrixLayout
+
+
+def _c(g, bits, asym=False, act_order=True):
+    return Candidate(g, tuple(bits), asym, act_order)
+
+
+# EXL2-style: widest codes on the most important input groups, in descending runs.
+CANDIDATES_DEFAULT = [
+    _c(128, [(2, 1.0)]),
+    _c(128, [(3, 0.25), (2, 0.75)]),
+    _c(128, [(4, 0.25), (3, 0.25), (2, 0.5)]),
+    _c(128, [(3, 1.0)]),
+    _c(128, [(4, 0.25), (3, 0.75)]),
+    _c(128, [(5, 0.1), (4, 0.4), (3, 0.5)]),
+    _c(128, [(4, 1.0)]),
+    _c(128, [(6, 0.1), (5, 0.2), (4, 0.7)]),
+    _c(128, [(5, 1.0)]),
+    _c(32, [(4, 1.0)], asym=True, act_order=False),  # reproduces a Q4_1 grid exactly
+    _c(128, [(6, 1.0)]),
+    _c(128, [(8, 1.0)]),
+]
+CANDIDATES_FAST = [
+    _c(128, [(2, 1.0)]),
+    _c(128, [(3, 1.0)]),
+    _c(128, [(4, 0.25), (3, 0.75)]),
+    _c(128, [(4, 1.0)]),
+    _c(32, [(4, 1.0)], asym=True, act_order=False),
+    _c(128, [(6, 1.0)]),
+    _c(128, [(8, 1.0)]),
+]
+CANDIDATES_BEST = CANDIDATES_DEFAULT + [
+    _c(128, [(3, 0.5), (2, 0.5)]),
+    _c(128, [(4, 0.5), (3, 0.5)]),
+    _c(128, [(8, 0.1), (4, 0.9)]),
+    _c(128, [(5, 0.5), (4, 0.5)]),
+    _c(32, [(3, 1.0)], asym=True),
+    _c(128, [(6, 0.5), (5, 0.5)]),
+]
+
+
+@dataclass(frozen=True)
+class Preset:
+    candidates: list
+    rows: int
+    row_len: int
+    score_rows: int  # rows the measurement scores block outputs on
+    clip_search: bool
+
+
+PRESETS = {
+    "fast": Preset(CANDIDATES_FAST, 16, 256, 4, False),
+    "default": Preset(CANDIDATES_DEFAULT, 32, 512, 4, True),
+    "best": Preset(CANDIDATES_BEST, 128, 512, 8, True),
+}
+
+
+def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]:
+    """A GPTQ result for concatenated outputs -> one result per original matrix."""
+    out, start = [], 0
+    for n in sizes:
+        layout = MatrixLayout(qm.layout.in_features, n, qm.layout.group_size, qm.layout.group_bits, qm.layout.asym)
+        out.append(QuantizedMatrix(layout, qm.q[:, start:start + n].contiguous(),
+                                   qm.scales[:, start:start + n].contiguous(),
+                                   None if qm.mins is None else qm.mins[:, start:start + n].contiguous(),
+                                   qm.perm))
+        start += n
+    return out
+
+
+def quantize_block(layer, block: str, cand: Candidate, hessians: dict, clip_search: bool,
+                   damp: float = 0.01) -> dict[str, QuantizedMatrix]:
+    """GPTQ every matrix of a block (matrices sharing an input are quantized as one)."""
+    result = {}
+    for shared in BLOCKS[block]:
+        names = SHARED_INPUTS[shared]
+        weights = [layer.get_submodule(n).weight.float() for n in names]
+        qm = gptq_quantize(torch.cat(weights), hessians[shared], cand, damp=damp, clip_search=clip_search)
+        for name, part in zip(names, split_matrix(qm, [w.shape[0] for w in weights])):
+            result[name] = part
+    return result
+
+
+def block_bits(config, block: str, cand: Candidate) -> int:
+    """Exact storage bits of a block's matrices under a candidate."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = ([(q_out, h), (kv_out, h), (kv_out, h), (h, q_out)] if block == "attn"
+              else [(inter, h), (inter, h), (h, inter)])
+    return sum(cand.layout(k, n).storage_bits() for n, k in shapes)
+
+
+def block_weights(config, block: str) -> int:
+    h, inter = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return (2 * q_out * h + 2 * kv_out * h) if block == "attn" else 3 * inter * h
+
+
+class swapped_weights:
+    """Context manager: a layer's linears temporarily use the given dequantized weights."""
+
+    def __init__(self, layer, quantized: dict[str, QuantizedMatrix]):
+        self.layer, self.quantized, self.saved = layer, quantized, {}
+
+    def __enter__(self):
+        for name, qm in self.quantized.items():
+            lin = self.layer.get_submodule(name)
+            self.saved[name] = lin.weight.data
+            lin.weight.data = qm.dequantized()
+        return self.layer
+
+    def __exit__(self, *exc):
+        for name, w in self.saved.items():
+            self.layer.get_submodule(name).weight.data = w
+
+
+def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config, on_candidate=None):
+    """Measure every candidate on both blocks of one layer; returns (results, next rows)."""
+    hessians = new_hessians(config)
+    nxt, kept = runner.run(layer, rows, hessians, keep_inputs=preset.score_rows)
+    h = {k: v.hessian() for k, v in hessians.items()}
+    results = {}
+    for block in ("attn", "mlp"):
+        ref = runner.block_output(layer, block, kept[block])
+        entries = []
+        for cand in preset.candidates:
+            quantized = quantize_block(layer, block, cand, h, preset.clip_search)
+            with swapped_weights(layer, quantized):
+                err = relative_error(runner.block_output(layer, block, kept[block]), ref)
+            entries.append({"candidate": cand.name, "bits": block_bits(config, block, cand), "error": err})
+            if on_candidate:
+                on_candidate()
+        results[block] = entries
+    return results, nxt
+
+
+def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset, src_dir: Path,
+                    progress) -> list[dict]:
+    """The measurement stage, resumable per layer. Returns the per-block results."""
+    mdir = job.sub("measure")
+    done = job.get("measure_done", -1)
+    if done >= 0:
+        rows = load_rows(mdir / "state.pt")
+    per_step = 2 * len(preset.candidates)
+    task = progress.stage("measure", config.num_layers * per_step, completed=(done + 1) * per_step)
+    for i in range(done + 1, config.num_layers):
+        progress.describe(task, f"measure layer {i + 1}/{config.num_layers}")
+        layer = build_layer(config, load_layer_tensors(src_dir, i))
+        t0 = time.time()
+        results, rows = measure_layer(layer, runner, rows, preset, config, lambda: progress.advance(task))
+        atomic_write_text(mdir / f"layer_{i:04d}.json", json.dumps({"time": time.time() - t0, **results}))
+        save_rows(rows, mdir / "state.pt")
+        job.set("measure_done", i)
+        del layer
+    progress.finish(task)
+    blocks = []
+    for i in range(config.num_layers):
+        data = json.loads((mdir / f"layer_{i:04d}.json").read_text())
+        for block in ("attn", "mlp"):
+            blocks.append({"name": f"layers.{i}.{block}", "layer": i, "block": block,
+                           "weights": block_weights(config, block), "results": data[block]})
+    return blocks

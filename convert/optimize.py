@@ -1,0 +1,64 @@
+"""Optimizer: one candidate per block so the total bits meet the target bpw, minimising error.
+
+A multiple-choice knapsack solved by dynamic programming over a finely discretised bit budget:
+minimise the sum of the blocks' measured relative output errors subject to
+sum(bits) <= target * weights. Costs are exact storage bits (all tensors counted).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qrun.convert.job import ConvertError
+
+RESOLUTION = 100_000  # budget units; per-block rounding loses at most blocks/RESOLUTION of the budget
+
+
+def bpw_range(blocks: list[dict]) -> tuple[float, float]:
+    weights = sum(b["weights"] for b in blocks)
+    low = sum(min(r["bits"] for r in b["results"]) for b in blocks) / weights
+    high = sum(max(r["bits"] for r in b["results"]) for b in blocks) / weights
+    return low, high
+
+
+def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
+    """(chosen candidate name per block, achieved bpw)."""
+    weights = sum(b["weights"] for b in blocks)
+    low, high = bpw_range(blocks)
+    if target_bpw < low - 1e-9:
+        raise ConvertError(f"--bits {target_bpw} is below the smallest achievable {low:.3f} bpw "
+                           "(every block at its cheapest candidate)")
+    budget_bits = min(target_bpw, high) * weights
+    unit = budget_bits / RESOLUTION
+    inf = np.inf
+    dp = np.full(RESOLUTION + 1, inf)
+    dp[0] = 0.0
+    choices = []
+    for b in blocks:
+        new = np.full(RESOLUTION + 1, inf)
+        arg = np.full(RESOLUTION + 1, -1, dtype=np.int16)
+        for c, r in enumerate(b["results"]):
+            cost = int(np.ceil(r["bits"] / unit - 1e-9))
+            err = r["error"] if np.isfinite(r["error"]) else 1e30
+            if cost > RESOLUTION:
+                continue
+            cand = np.full(RESOLUTION + 1, inf)
+            cand[cost:] = dp[:RESOLUTION + 1 - cost] + err
+            better = cand < new
+            new[better] = cand[better]
+            arg[better] = c
+        dp = new
+        choices.append(arg)
+    if not np.isfinite(dp).any():
+        raise ConvertError(f"no combination of candidates fits {target_bpw} bpw")
+    end = int(np.nanargmin(np.where(np.isfinite(dp), dp, np.nan)))
+    picked = []
+    pos = end
+    for b, arg in zip(reversed(blocks), reversed(choices)):
+        c = int(arg[pos])
+        r = b["results"][c]
+        picked.append(r["candidate"])
+        pos -= int(np.ceil(r["bits"] / unit - 1e-9))
+    picked.reverse()
+    total = sum(next(r["bits"] for r in b["results"] if r["candidate"] == name) for b, name in zip(blocks, picked))
+    return picked, total / weights

@@ -1,0 +1,195 @@
+"""`qrun convert` end to end on tiny random models: output, accounting, resume, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from qrun.convert.calibration import CalibrationError
+from qrun.convert.job import ConvertError
+from qrun.convert.main import convert
+
+SHARED_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "text"
+FAST = dict(preset="fast", calib_rows=8, calib_len=64)
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    source = SHARED_TEXT / "brown_a_press_reportage.txt"
+    text = source.read_text()[:20000] if source.is_file() else (
+        "The quick brown fox jumps over the lazy dog. " * 500)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_llama_dir, calib_file, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("conv") / "llama-q"
+    summary = convert(tiny_llama_dir, out, bits=4.0, head_bits=8, calib=[calib_file], **FAST)
+    return out, summary
+
+
+def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
+    from qrun.llm import LLM
+    from qrun.loader import load_model
+    from qrun.quant import QuantLinear
+    from qrun.sampling_params import SamplingParams
+
+    out, summary = converted
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    assert q["quant_method"] == "qrun-exl" and q["target_bpw"] == 4.0
+    assert q["achieved_bpw"] <= 4.0 and q["calibration"]["rows"] == 8
+    assert "lm_head" in q["modules"] and q["head_bits"] == 8
+    for name in ("tokenizer.json", "tokenizer_config.json", "measurement.json", "model.safetensors.index.json"):
+        assert (out / name).is_file()
+
+    quant = load_model(out, dtype="float32", device="cpu")
+    assert isinstance(quant.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert isinstance(quant.model.lm_head, QuantLinear)
+    orig = load_model(tiny_llama_dir, dtype="float32", device="cpu")
+    ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))
+    logits = [_logits(m.model, ids) for m in (orig, quant)]
+    kl = torch.nn.functional.kl_div(logits[1].log_softmax(-1), logits[0].log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    assert kl < 0.05  # random tiny weights, 4 bpw: close to the original
+
+    llm = LLM(str(out), device="cpu", kv_cache_memory=1 << 24)
+    result = llm.generate(["Hello there"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                          progress=False)
+    assert len(result[0].outputs[0].token_ids) == 5
+
+
+def _logits(model, ids):
+    from qrun.model import AttentionMetadata, KVCache
+
+    t = ids.shape[0]
+    cache = KVCache(model.config, 1, t, torch.float32, "cpu")
+    meta = AttentionMetadata(torch.arange(t), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32), t, t)
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(t), meta, cache))
+
+
+def test_bpw_accounting_equals_bytes_written(converted):
+    out, _ = converted
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    layer_bytes, head_bytes, weights = 0, 0, 0
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    for name in q["modules"]:
+        for key, shard in index.items():
+            if key.startswith(name + ".") and not key.endswith(".bias"):
+                with safe_open(str(out / shard), framework="pt") as f:
+                    t = f.get_tensor(key)
+                if name == "lm_head":
+                    head_bytes += t.numel() * t.element_size()
+                else:
+                    layer_bytes += t.numel() * t.element_size()
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = h // heads
+    weights = config["num_hidden_layers"] * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter)
+    assert layer_bytes * 8 / weights == pytest.approx(q["achieved_bpw"], abs=1e-4)
+    assert head_bytes * 8 / (h * config["vocab_size"]) == pytest.approx(q["head_bpw"], abs=1e-4)
+    total = sum((out / s).stat().st_size for s in set(index.values()))
+    assert total == q["file_bytes"]
+
+
+def test_measurement_is_reused_for_another_target(converted, tiny_llama_dir, calib_file, tmp_path, monkeypatch):
+    import qrun.convert.main as main
+
+    out, _ = converted
+    monkeypatch.setattr(main, "run_measurement", lambda *a, **k: pytest.fail("measured again"))
+    summary = convert(tiny_llama_dir, tmp_path / "q3", bits=3.0, calib=[calib_file],
+                      measurement=out / "measurement.json", **FAST)
+    assert summary["achieved_bpw"] <= 3.0
+
+
+def test_existing_output_is_refused_without_force(converted, tiny_llama_dir, calib_file):
+    out, _ = converted
+    before = (out / "config.json").read_bytes()
+    with pytest.raises(ConvertError, match="--force"):
+        convert(tiny_llama_dir, out, bits=4.0, calib=[calib_file], **FAST)
+    assert (out / "config.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("bits,match", [(1.0, "below the smallest"), (9.0, "above 8"), (0.0, "positive")])
+def test_bad_bits_are_clear_errors(tiny_llama_dir, calib_file, tmp_path, bits, match):
+    with pytest.raises(ConvertError, match=match):
+        convert(tiny_llama_dir, tmp_path / "o", bits=bits, calib=[calib_file], **FAST)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_calibration_files_are_clear_errors(tiny_llama_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n ")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 100)
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"content": "no text field"}\n')
+    cases = [(tmp_path / "missing.txt", "cannot read"), (tmp_path, "cannot read"), (empty, "empty"),
+             (binary, "not UTF-8"), (bad_jsonl, "text")]
+    for path, match in cases:
+        with pytest.raises(CalibrationError, match=match):
+            convert(tiny_llama_dir, tmp_path / "o", bits=4.0, calib=[path], **FAST)
+    assert not (tmp_path / "o").exists()
+
+
+def test_jsonl_calibration_is_read(tiny_llama_dir, tmp_path, calib_file, converted):
+    jsonl = tmp_path / "c.jsonl"
+    text = calib_file.read_text()
+    jsonl.write_text("\n".join(json.dumps({"text": text[i:i + 2000]}) for i in range(0, len(text), 2000)))
+    summary = convert(tiny_llama_dir, tmp_path / "o", bits=5.0, calib=[jsonl],
+                      measurement=converted[0] / "measurement.json", **FAST)
+    assert summary["achieved_bpw"] <= 5.0
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert config["quantization_config"]["calibration"]["files"] == ["c.jsonl"]
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+from pathlib import Path
+from qrun.convert import job as job_module
+from qrun.convert.main import convert
+
+original = job_module.Job.set
+def set_then_die(self, key, value):
+    original(self, key, value)
+    if key == "quantize_done" and value == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+job_module.Job.set = set_then_die
+convert(sys.argv[1], sys.argv[2], bits=4.0, calib=[sys.argv[3]], measurement=sys.argv[4], preset="fast",
+        calib_rows=8, calib_len=64)
+"""
+
+
+def test_killed_conversion_resumes_and_output_is_never_half_written(tiny_llama_dir, calib_file, tmp_path, converted):
+    out = tmp_path / "resumed"
+    reference, _ = converted  # reuse its measurement: same choices, no measuring here
+    measurement = str(reference / "measurement.json")
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tiny_llama_dir), str(out), str(calib_file),
+                           measurement],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not out.exists()  # nothing at OUT until the output is complete
+    job = json.loads((tmp_path / ".resumed.qrun-partial" / "job.json").read_text())
+    assert job["quantize_done"] == 0 and (tmp_path / ".resumed.qrun-partial" / "final").is_dir()
+
+    summary = convert(tiny_llama_dir, out, bits=4.0, calib=[calib_file], measurement=measurement, **FAST)
+    assert summary["resumed"]
+    assert not (tmp_path / ".resumed.qrun-partial").exists()
+    for shard in ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"):
+        with safe_open(str(out / shard), framework="pt") as a, safe_open(str(reference / shard), framework="pt") as b:
+            assert set(a.keys()) == set(b.keys())
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
