@@ -121,16 +121,24 @@ class QuantizedMatrix:
 CLIP_GRID = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
 
 
-def group_params(w: torch.Tensor, bits: int, asym: bool, clip_search: bool,
+def _levels(bits, like: torch.Tensor):
+    """(maxq, half) as floats or per-row tensors for an int or a tensor of widths."""
+    if isinstance(bits, torch.Tensor):
+        b = bits.to(like.dtype)
+        return b.exp2() - 1, b.exp2() / 2
+    return float((1 << bits) - 1), float(1 << (bits - 1))
+
+
+def group_params(w: torch.Tensor, bits, asym: bool, clip_search: bool,
                  weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and min) per row of w [N, G] as float16, optionally searching a clipping ratio.
 
-    `weight` [G] weighs each column's squared error in the clip search (e.g. the Hessian diagonal).
+    `bits` is an int or a tensor [N] of per-row widths. `weight` [G] weighs each column's
+    squared error in the clip search (e.g. the Hessian diagonal).
     """
-    maxq = (1 << bits) - 1
-    half = 1 << (bits - 1)
-    xmin = w.min(1).values.clamp(max=0) if not asym else w.min(1).values
-    xmax = w.max(1).values.clamp(min=0) if not asym else w.max(1).values
+    maxq, half = _levels(bits, w)
+    xmin = w.min(1).values if asym else w.min(1).values.clamp(max=0)
+    xmax = w.max(1).values if asym else w.max(1).values.clamp(min=0)
     ratios = CLIP_GRID if clip_search else (1.0,)
     best_err = best_s = best_m = None
     for p in ratios:
@@ -138,17 +146,19 @@ def group_params(w: torch.Tensor, bits: int, asym: bool, clip_search: bool,
             lo, hi = xmin * p, xmax * p
             s = ((hi - lo) / maxq).clamp(min=1e-8).half()
             m = lo.half()
-            sf, mf = s.float(), m.float()
-            q = ((w - mf[:, None]) / sf[:, None]).round().clamp(0, maxq)
-            deq = q * sf[:, None] + mf[:, None]
         else:
             s = (torch.maximum(-xmin / half, xmax / (half - 1)) * p).clamp(min=1e-8).half()
             m = None
-            sf = s.float()
-            q = (w / sf[:, None]).round().clamp(-half, half - 1)
-            deq = q * sf[:, None]
         if len(ratios) == 1:
             return s, m
+        sf = s.float()[:, None]
+        if asym:
+            mf = m.float()[:, None]
+            q = torch.minimum(((w - mf) / sf).round().clamp(min=0), _col(maxq))
+            deq = q * sf + mf
+        else:
+            q = torch.minimum(torch.maximum((w / sf).round(), -_col(half)), _col(half) - 1)
+            deq = q * sf
         err = (deq - w).pow(2)
         err = (err * weight[None, :]).sum(1) if weight is not None else err.sum(1)
         if best_err is None:
@@ -162,17 +172,8 @@ def group_params(w: torch.Tensor, bits: int, asym: bool, clip_search: bool,
     return best_s, best_m
 
 
-def _quantize_column(w: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, bits: int):
-    """(unsigned q, dequantized) for one column w [N]."""
-    maxq = (1 << bits) - 1
-    sf = s.float()
-    if m is not None:
-        mf = m.float()
-        q = ((w - mf) / sf).round().clamp(0, maxq)
-        return q, q * sf + mf
-    half = 1 << (bits - 1)
-    q = (w / sf).round().clamp(-half, half - 1)
-    return q + half, q * sf
+def _col(v):
+    return v[:, None] if isinstance(v, torch.Tensor) else torch.tensor(v)
 
 
 def rtn_quantize(w: torch.Tensor, cand: Candidate, clip_search: bool = False) -> QuantizedMatrix:
@@ -220,67 +221,108 @@ class HessianAccumulator:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, cand: Candidate, damp: float = 0.01,
                   block_size: int = 128, clip_search: bool = True) -> QuantizedMatrix:
-    """GPTQ of w [N, K] given the input Hessian h [K, K].
+    """GPTQ of w [N, K] given the input Hessian h [K, K] (see gptq_quantize_many)."""
+    return gptq_quantize_many(w, h, [cand], damp, block_size, clip_search)[0]
+
+
+def gptq_quantize_many(w: torch.Tensor, h: torch.Tensor, cands: list[Candidate], damp: float = 0.01,
+                       block_size: int = 128, clip_search: bool = True) -> list[QuantizedMatrix]:
+    """GPTQ of w [N, K] under each candidate, given the input Hessian h [K, K].
 
     Act-order (columns by descending diag H) when the candidate asks for it; damping of
-    `damp` times the mean diagonal; Cholesky factor of H^-1; lazy updates in blocks that are a
-    multiple of the group size; each group's scale (and min) computed from the error-updated
-    weights when the sweep reaches the group.
+    `damp` times the mean diagonal; the upper Cholesky factor of H^-1; lazy updates in blocks
+    that are a multiple of the group size; each group's scale (and min) computed from the
+    error-updated weights when the sweep reaches the group. Rows are independent in GPTQ, so
+    candidates sharing group size, symmetry and ordering run as one sweep over stacked copies
+    of W (per-row widths), which is what makes measuring many candidates affordable.
     """
-    w = w.float().clone()
+    w = w.float()
     n, k = w.shape
-    layout = cand.layout(k, n)
-    g = layout.group_size
-    h = h.float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if cand.act_order else torch.arange(k)
-    w = w[:, perm]
-    h = h[perm][:, perm]
+    layouts = [c.layout(k, n) for c in cands]
+    batches: dict[tuple, list[int]] = {}
+    for i, (c, lay) in enumerate(zip(cands, layouts)):
+        batches.setdefault((lay.group_size, c.asym, c.act_order), []).append(i)
+    results: list[QuantizedMatrix | None] = [None] * len(cands)
+    for (g, asym, act_order), members in batches.items():
+        outs = _gptq_sweep(w, h, [layouts[i] for i in members], g, asym, act_order, damp, block_size, clip_search)
+        for i, out in zip(members, outs):
+            results[i] = out
+    return results
+
+
+def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    k = h.shape[0]
     diag_mean = torch.mean(torch.diag(h))
-    hinv = None
     for attempt in range(4):
         hd = h + torch.eye(k) * damp * (10 ** attempt) * diag_mean
         try:
             chol = torch.linalg.cholesky(hd)
             hinv = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
-            break
         except RuntimeError:
             continue
-    if hinv is None or not torch.isfinite(hinv).all():
-        raise QuantizationError("the calibration Hessian is not positive definite even with heavy damping")
-    hdiag = torch.diag(h)
+        if torch.isfinite(hinv).all():
+            return hinv
+    raise QuantizationError("the calibration Hessian is not positive definite even with heavy damping")
 
-    q = torch.empty(k, n, dtype=torch.int64)
-    scales = torch.empty(layout.num_groups, n, dtype=torch.float16)
-    mins = torch.empty(layout.num_groups, n, dtype=torch.float16) if cand.asym else None
+
+def _gptq_sweep(w, h, layouts, g, asym, act_order, damp, block_size, clip_search) -> list[QuantizedMatrix]:
+    n, k = w.shape
+    c = len(layouts)
+    h = h.float().clone()
+    w = w.clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    h = h[perm][:, perm]
+    hinv = _inverse_factor(h, damp)
+    hdiag = torch.diag(h)
+    groups = k // g
+    row_bits = torch.tensor([lay.group_bits for lay in layouts], dtype=torch.float32)  # [c, groups]
+    W = w[:, perm].T.contiguous().repeat(1, c)  # [K, c*N]: row = one input column of every copy
+    q = torch.empty(k, c * n, dtype=torch.uint8)
+    scales = torch.empty(groups, c * n, dtype=torch.float16)
+    mins = torch.empty(groups, c * n, dtype=torch.float16) if asym else None
     block = max(g, (block_size // g) * g)
-    s = m = None
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
+        w1 = W[i1:i2].clone()
+        err1 = torch.empty_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            gi = col // g
-            bits = layout.group_bits[gi]
             if col % g == 0:
-                s, m = group_params(w1[:, i:i + g], bits, cand.asym, clip_search, hdiag[col:col + g])
-                scales[gi] = s
-                if mins is not None:
-                    mins[gi] = m
-            d = hinv1[i, i]
-            qc, deq = _quantize_column(w1[:, i], s, m, bits)
-            q[col] = qc.long()
-            e = (w1[:, i] - deq) / d
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+                gi = col // g
+                bits = row_bits[:, gi].repeat_interleave(n)
+                s, m = group_params(w1[i:i + g].T, bits, asym, clip_search, hdiag[col:col + g])
+                scales[gi], sf = s, s.float()
+                maxq, half = _levels(bits, sf)
+                if asym:
+                    mins[gi], mf = m, m.float()
+                    inv = 1 / sf
+            x = w1[i]
+            if asym:
+                qc = torch.minimum(((x - mf) * inv).round_().clamp_(min=0), maxq)
+                deq = torch.addcmul(mf, qc, sf)
+                q[col] = qc.to(torch.uint8)
+            else:
+                qc = torch.minimum(torch.maximum((x / sf).round_(), -half), half - 1)
+                deq = qc * sf
+                q[col] = (qc + half).to(torch.uint8)
+            e = (x - deq).div_(hinv1[i, i])
+            err1[i] = e
+            if i + 1 < i2 - i1:
+                w1[i + 1:].addr_(hinv1[i, i + 1:], e, alpha=-1)
+        if i2 < k:
+            W[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)
     if not torch.isfinite(scales.float()).all():
         raise QuantizationError("GPTQ produced non-finite scales (weights or Hessian hold NaN/inf)")
-    return QuantizedMatrix(layout, q, scales, mins, perm)
+    out = []
+    for j, lay in enumerate(layouts):
+        sl = slice(j * n, (j + 1) * n)
+        out.append(QuantizedMatrix(lay, q[:, sl].long(), scales[:, sl].contiguous(),
+                                   None if mins is None else mins[:, sl].contiguous(), perm))
+    return out
 
 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:

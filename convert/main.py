@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -136,11 +137,25 @@ def _load_measurement(path: Path, config) -> tuple[list[dict], list[Candidate]]:
 def convert(src, out, *, bits: float, head_bits: int = 6, calib=None, calib_rows=None, calib_len=None,
             measurement=None, force: bool = False, preset: str = "default", quiet: bool = True) -> dict:
     """Convert `src` into a quantized folder `out`; returns the summary (also in config.json)."""
-    from qrun.loader import _source_parts
-    from qrun.sources import resolve
 
     start = time.time()
     torch.manual_seed(0)
+    # GPTQ is thousands of small ops: one thread avoids waiting on a descheduled second thread,
+    # which on a busy 2-core machine makes it many times slower. QRUN_CONVERT_THREADS overrides.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("QRUN_CONVERT_THREADS", "1")))
+    try:
+        return _convert(src, out, start, bits=bits, head_bits=head_bits, calib=calib, calib_rows=calib_rows,
+                        calib_len=calib_len, measurement=measurement, force=force, preset=preset, quiet=quiet)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, measurement, force, preset,
+             quiet) -> dict:
+    from qrun.loader import _source_parts
+    from qrun.sources import resolve
+
     out = Path(out).expanduser().absolute()
     if preset not in PRESETS:
         raise ConvertError(f"unknown preset {preset!r}; choose {', '.join(PRESETS)}")

@@ -16,7 +16,7 @@ import torch
 
 from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, load_rows, new_hessians,
                                   relative_error, save_rows)
-from qrun.convert.gptq import Candidate, QuantizedMatrix, gptq_quantize
+from qrun.convert.gptq import Candidate, QuantizedMatrix, gptq_quantize_many
 from qrun.convert.job import atomic_write_text, load_layer_tensors
 from qrun.convert.packing import MatrixLayout
 
@@ -91,14 +91,21 @@ def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]
 def quantize_block(layer, block: str, cand: Candidate, hessians: dict, clip_search: bool,
                    damp: float = 0.01) -> dict[str, QuantizedMatrix]:
     """GPTQ every matrix of a block (matrices sharing an input are quantized as one)."""
-    result = {}
+    return quantize_block_many(layer, block, [cand], hessians, clip_search, damp)[0]
+
+
+def quantize_block_many(layer, block: str, cands: list[Candidate], hessians: dict, clip_search: bool,
+                        damp: float = 0.01) -> list[dict[str, QuantizedMatrix]]:
+    """quantize_block for several candidates at once (one GPTQ sweep per compatible batch)."""
+    results: list[dict[str, QuantizedMatrix]] = [{} for _ in cands]
     for shared in BLOCKS[block]:
         names = SHARED_INPUTS[shared]
         weights = [layer.get_submodule(n).weight.float() for n in names]
-        qm = gptq_quantize(torch.cat(weights), hessians[shared], cand, damp=damp, clip_search=clip_search)
-        for name, part in zip(names, split_matrix(qm, [w.shape[0] for w in weights])):
-            result[name] = part
-    return result
+        qms = gptq_quantize_many(torch.cat(weights), hessians[shared], cands, damp=damp, clip_search=clip_search)
+        for result, qm in zip(results, qms):
+            for name, part in zip(names, split_matrix(qm, [w.shape[0] for w in weights])):
+                result[name] = part
+    return results
 
 
 def block_bits(config, block: str, cand: Candidate) -> int:
@@ -143,8 +150,8 @@ def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config
     for block in ("attn", "mlp"):
         ref = runner.block_output(layer, block, kept[block])
         entries = []
-        for cand in preset.candidates:
-            quantized = quantize_block(layer, block, cand, h, preset.clip_search)
+        all_quantized = quantize_block_many(layer, block, preset.candidates, h, preset.clip_search)
+        for cand, quantized in zip(preset.candidates, all_quantized):
             with swapped_weights(layer, quantized):
                 err = relative_error(runner.block_output(layer, block, kept[block]), ref)
             entries.append({"candidate": cand.name, "bits": block_bits(config, block, cand), "error": err})

@@ -83,3 +83,20 @@ def test_group_size_snaps_to_a_divisor_of_the_input_size():
 def test_no_calibration_tokens_is_an_error():
     with pytest.raises(QuantizationError):
         HessianAccumulator(8).hessian()
+
+
+def test_candidates_quantized_together_equal_quantized_alone():
+    from qrun.convert.gptq import gptq_quantize_many
+
+    x = correlated_inputs(128, 512, seed=4)
+    w = torch.randn(40, 128)
+    acc = HessianAccumulator(128)
+    acc.add(x)
+    h = acc.hessian()
+    cands = [Candidate(64, ((2, 1.0),)), Candidate(64, ((8, 0.5), (3, 0.5))), Candidate(32, ((4, 1.0),), asym=True),
+             Candidate(32, ((5, 1.0),), asym=True, act_order=False)]
+    together = gptq_quantize_many(w, h, cands)
+    for cand, result in zip(cands, together):
+        alone = gptq_quantize(w, h, cand)
+        assert result.layout == alone.layout
+        torch.testing.assert_close(result.dequantized(), alone.dequantized(), rtol=0, atol=1e-5)
