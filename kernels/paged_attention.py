@@ -25,6 +25,36 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.flatten(-4, -3)[..., :length, :, :]
 
 
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, over exactly the blocks each sequence owns (no padding to the
+    longest context): scores per (sequence, block) pair, then a softmax across each
+    sequence's pairs through segment reductions. q: [B, Hq, D] -> [B, Hq, D]."""
+    batch, num_heads, dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    blocks_per_seq = (seq_lens.long() + block_size - 1) // block_size
+    width = int(blocks_per_seq.max())
+    owned = torch.arange(width, device=q.device)[None, :] < blocks_per_seq[:, None]
+    pair_block = block_tables[:, :width][owned].long()
+    pair_seq = torch.arange(batch, device=q.device)[:, None].expand(batch, width)[owned]
+    pair_first_pos = (torch.arange(width, device=q.device) * block_size)[None, :].expand(batch, width)[owned]
+    keys = k_cache[pair_block].float().permute(0, 2, 3, 1)  # [P, Hkv, D, bs]
+    values = v_cache[pair_block].float().transpose(1, 2)  # [P, Hkv, bs, D]
+    queries = q.float().view(batch, num_kv_heads, group, dim)[pair_seq]  # [P, Hkv, G, D]
+    scores = torch.matmul(queries, keys) * scale  # [P, Hkv, G, bs]
+    positions = pair_first_pos[:, None] + torch.arange(block_size, device=q.device)[None, :]
+    past_end = positions >= seq_lens.long()[pair_seq][:, None]
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    seq_max = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
+    seq_max.index_reduce_(0, pair_seq, scores.amax(dim=-1), "amax")
+    weights = torch.exp(scores - seq_max[pair_seq][..., None])
+    denominator = torch.zeros_like(seq_max).index_add_(0, pair_seq, weights.sum(dim=-1))
+    out = torch.zeros(batch, num_kv_heads, group, dim, device=q.device)
+    out.index_add_(0, pair_seq, torch.matmul(weights, values))
+    return (out / denominator[..., None]).view(batch, num_heads, dim).to(q.dtype)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -37,27 +67,17 @@ def paged_attention_ref(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: decodes batched in one masked SDPA call, prefill chunks one by one."""
+    """Torch reference: all decodes in one padding-free pass, prefill chunks one by one."""
     if out is None:
         out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     decodes = [s for s, n in enumerate(query_lens) if n == 1]
-    # Decodes dominate a busy step: one gather and one SDPA call for all of them. Rows past a
-    # sequence's length are masked out, never read as real keys.
     if decodes:
         index = torch.tensor(decodes, dtype=torch.long, device=q.device)
-        longest = max(lens[s] for s in decodes)
-        k = _gather_context(k_cache, block_tables[index], longest).transpose(1, 2)
-        v = _gather_context(v_cache, block_tables[index], longest).transpose(1, 2)
         rows = query_start_loc[index].long()
-        positions = torch.arange(longest, device=q.device)
-        mask = positions[None, :] < seq_lens[index][:, None]
-        attended = F.scaled_dot_product_attention(
-            q[rows].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        out[rows] = attended.squeeze(2)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[index], seq_lens[index], scale)
     for s, n in enumerate(query_lens):
         if n <= 1:
             continue
@@ -72,28 +92,6 @@ def paged_attention_ref(
         ).transpose(0, 1)
     return out
 
-
-# ---------------------------------------------------------------------------------------------
-# Triton implementation
-# ---------------------------------------------------------------------------------------------
-#
-# One kernel serves prefill chunks and decodes alike (and a batch mixing them, in one launch).
-# A program owns BLOCK_Q consecutive query tokens of one sequence and *all* the query heads of
-# one KV head: its BLOCK_M rows are (token, head-in-group) pairs, row r = token r // QPK, head
-# r % QPK. So each K/V tile read from the cache serves every query head that shares it (GQA),
-# and a decode (1 token) still fills the 16 rows tl.dot needs once QPK heads are packed in.
-# The program walks the sequence's KV tiles of BLOCK_N keys through the block table with an
-# online softmax (running max m, running sum l, fp32 accumulator); no score matrix exists
-# beyond one [BLOCK_M, BLOCK_N] tile.
-#
-# Grid axis 0 needs no device sync: sequence s gets the program slots
-#   query_start_loc[s] // BLOCK_Q + s  ..  query_start_loc[s + 1] // BLOCK_Q + s  (inclusive),
-# at least cdiv(n_s, BLOCK_Q) of them, so T // BLOCK_Q + S slots cover every sequence and a
-# program finds its sequence by binary search over query_start_loc (surplus slots exit).
-#
-# Split-K (flash-decoding): with few programs and long contexts the GPU would idle, so grid
-# axis 2 splits each program's KV range into NUM_SPLITS contiguous chunks of tiles. Each split
-# writes its unnormalised partial (acc, m, l) to fp32 scratch and a second kernel merges them.
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in the interpreter. Triton reads this when first
+    # imported, so it is set before any test module imports qrun.kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
