@@ -32,7 +32,7 @@ class Candidate:
     group_size: int
     bits: tuple[tuple[int, float], ...]
     asym: bool = False
-    act_order: bool = True
+    act_order: bool | str = True  # True: columns by importance; "group": whole groups by importance; False: none
 
     def __post_init__(self) -> None:
         widths = [b for b, _ in self.bits]
@@ -46,7 +46,8 @@ class Candidate:
     @property
     def name(self) -> str:
         mix = "+".join(f"{b}b{f:g}" if f < 1 else f"{b}b" for b, f in self.bits)
-        return f"{mix}:g{self.group_size}{':asym' if self.asym else ''}{'' if self.act_order else ':noact'}"
+        order = {True: "", False: ":noact", "group": ":gact"}[self.act_order]
+        return f"{mix}:g{self.group_size}{':asym' if self.asym else ''}{order}"
 
     @property
     def nominal_bits(self) -> float:
@@ -59,7 +60,7 @@ class Candidate:
     @classmethod
     def from_json(cls, d: dict) -> "Candidate":
         return cls(int(d["group_size"]), tuple((int(b), float(f)) for b, f in d["bits"]),
-                   bool(d["asym"]), bool(d.get("act_order", True)))
+                   bool(d["asym"]), d.get("act_order", True))
 
     def group_size_for(self, k: int) -> int:
         """The candidate's group size, snapped down to one that divides K."""
@@ -250,6 +251,19 @@ def gptq_quantize_many(w: torch.Tensor, h: torch.Tensor, cands: list[Candidate],
     return results
 
 
+def act_order_permutation(diag: torch.Tensor, g: int, mode: bool | str) -> torch.Tensor:
+    """Column order for GPTQ: by descending Hessian diagonal (True), whole groups of g original
+    columns by their summed diagonal ("group": keeps an existing group grid, e.g. Q4_1 blocks,
+    intact while still giving the important groups the wide codes), or unchanged (False)."""
+    k = diag.shape[0]
+    if mode == "group":
+        order = torch.argsort(diag.view(k // g, g).sum(1), descending=True, stable=True)
+        return (order[:, None] * g + torch.arange(g)).flatten()
+    if mode:
+        return torch.argsort(diag, descending=True, stable=True)
+    return torch.arange(k)
+
+
 def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     k = h.shape[0]
     diag_mean = torch.mean(torch.diag(h))
@@ -273,7 +287,7 @@ def _gptq_sweep(w, h, layouts, g, asym, act_order, damp, block_size, clip_search
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else torch.arange(k)
+    perm = act_order_permutation(torch.diag(h), g, act_order)
     h = h[perm][:, perm]
     hinv = _inverse_factor(h, damp)
     hdiag = torch.diag(h)

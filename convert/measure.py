@@ -25,37 +25,44 @@ def _c(g, bits, asym=False, act_order=True):
     return Candidate(g, tuple(bits), asym, act_order)
 
 
-# EXL2-style: widest codes on the most important input groups, in descending runs.
+# EXL2-style: widest codes on the most important input groups, in descending runs. The g32
+# asymmetric candidates with group act-order keep a Q4_1 block grid intact (4b of them reproduce
+# such weights exactly at ~5 bpw) while moving bits between whole blocks.
 CANDIDATES_DEFAULT = [
     _c(128, [(2, 1.0)]),
     _c(128, [(3, 0.25), (2, 0.75)]),
+    _c(128, [(3, 0.5), (2, 0.5)]),
     _c(128, [(4, 0.25), (3, 0.25), (2, 0.5)]),
     _c(128, [(3, 1.0)]),
     _c(128, [(4, 0.25), (3, 0.75)]),
-    _c(128, [(5, 0.1), (4, 0.4), (3, 0.5)]),
     _c(128, [(4, 1.0)]),
-    _c(128, [(6, 0.1), (5, 0.2), (4, 0.7)]),
-    _c(128, [(5, 1.0)]),
-    _c(32, [(4, 1.0)], asym=True, act_order=False),  # reproduces a Q4_1 grid exactly
+    _c(32, [(3, 1.0)], asym=True, act_order="group"),
+    _c(32, [(4, 0.25), (3, 0.75)], asym=True, act_order="group"),
+    _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
+    _c(32, [(4, 0.75), (3, 0.25)], asym=True, act_order="group"),
+    _c(32, [(4, 1.0)], asym=True, act_order="group"),
+    _c(32, [(5, 0.25), (4, 0.75)], asym=True, act_order="group"),
     _c(128, [(6, 1.0)]),
     _c(128, [(8, 1.0)]),
 ]
 CANDIDATES_FAST = [
     _c(128, [(2, 1.0)]),
+    _c(128, [(3, 0.5), (2, 0.5)]),
     _c(128, [(3, 1.0)]),
-    _c(128, [(4, 0.25), (3, 0.75)]),
-    _c(128, [(4, 1.0)]),
-    _c(32, [(4, 1.0)], asym=True, act_order=False),
+    _c(32, [(3, 1.0)], asym=True, act_order="group"),
+    _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
+    _c(32, [(4, 1.0)], asym=True, act_order="group"),
     _c(128, [(6, 1.0)]),
     _c(128, [(8, 1.0)]),
 ]
 CANDIDATES_BEST = CANDIDATES_DEFAULT + [
-    _c(128, [(3, 0.5), (2, 0.5)]),
-    _c(128, [(4, 0.5), (3, 0.5)]),
+    _c(128, [(5, 1.0)]),
     _c(128, [(8, 0.1), (4, 0.9)]),
-    _c(128, [(5, 0.5), (4, 0.5)]),
-    _c(32, [(3, 1.0)], asym=True),
-    _c(128, [(6, 0.5), (5, 0.5)]),
+    _c(64, [(3, 1.0)], asym=True),
+    _c(32, [(4, 0.125), (3, 0.875)], asym=True, act_order="group"),
+    _c(32, [(4, 0.375), (3, 0.625)], asym=True, act_order="group"),
+    _c(32, [(4, 0.625), (3, 0.375)], asym=True, act_order="group"),
+    _c(32, [(4, 0.875), (3, 0.125)], asym=True, act_order="group"),
 ]
 
 
@@ -158,6 +165,7 @@ def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config
             if on_candidate:
                 on_candidate()
         results[block] = entries
+    results["share"] = kept["share"]
     return results, nxt
 
 
@@ -185,5 +193,6 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         data = json.loads((mdir / f"layer_{i:04d}.json").read_text())
         for block in ("attn", "mlp"):
             blocks.append({"name": f"layers.{i}.{block}", "layer": i, "block": block,
-                           "weights": block_weights(config, block), "results": data[block]})
+                           "weights": block_weights(config, block), "results": data[block],
+                           "stream_share": data.get("share", {}).get(block, 1.0)})
     return blocks

@@ -56,10 +56,12 @@ def test_weights_on_a_q4_1_grid_are_reproduced_exactly_by_4bit_g32_asym():
     x = correlated_inputs(128, 512)
     acc = HessianAccumulator(128)
     acc.add(x)
-    cand = Candidate(32, ((4, 1.0),), asym=True, act_order=False)
-    result = gptq_quantize(w, acc.hessian(), cand)
-    assert torch.equal(result.dequantized(), w)
-    assert 5.0 <= result.layout.bpw() < 5.2
+    for order in (False, "group"):  # group act-order moves whole blocks: the grid stays exact
+        result = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True, act_order=order))
+        assert torch.equal(result.dequantized(), w)
+        assert 5.0 <= result.layout.bpw() < 5.2
+    column_order = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True))
+    assert not torch.equal(column_order.dequantized(), w)
 
 
 def test_packed_tensors_reproduce_the_quantized_matrix():
@@ -94,6 +96,7 @@ def test_candidates_quantized_together_equal_quantized_alone():
     acc.add(x)
     h = acc.hessian()
     cands = [Candidate(64, ((2, 1.0),)), Candidate(64, ((8, 0.5), (3, 0.5))), Candidate(32, ((4, 1.0),), asym=True),
+             Candidate(32, ((4, 0.5), (3, 0.5)), asym=True, act_order="group"),
              Candidate(32, ((5, 1.0),), asym=True, act_order=False)]
     together = gptq_quantize_many(w, h, cands)
     for cand, result in zip(cands, together):
