@@ -274,13 +274,16 @@ def _print_table(summary: dict) -> None:
 
     table = Table(title=f"qrun convert → {summary['out']}")
     for col in ("layer", "attn bits", "attn err (measured)", "mlp bits", "mlp err (measured)", "layer bpw"):
-        table.add_column(col, justify="right" if "err" in col or col in ("layer", "layer bpw") else "left")
+        table.add_column(col, justify="right" if "err" in col or col in ("layer", "layer bpw") else "left",
+                         no_wrap=True)
     for e in summary["report"]:
         a, m = e["attn"], e["mlp"]
         bpw = (a["bits"] + m["bits"]) / (a["weights"] + m["weights"])
         table.add_row(str(e["layer"]), a["candidate"], f"{a['error']:.2e} ({a['measured']:.2e})",
                       m["candidate"], f"{m['error']:.2e} ({m['measured']:.2e})", f"{bpw:.3f}")
     console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=160)
     console.print(table)
     console.print(f"target {summary['target_bpw']} bpw, achieved {summary['achieved_bpw']:.4f} bpw; "
                   f"wall {summary['wall_s']:.1f} s; peak RSS {summary['peak_rss_bytes'] / 2**30:.2f} GiB")
