@@ -1,0 +1,400 @@
+"""Serving benchmark helpers shared by `scripts/bench_serving.py` and `qrun bench`.
+
+`run_qrun(llm, requests)` submits a whole workload at once (greedy, `ignore_eos`, each request's
+`max_tokens` exact) and measures it from the engine's own records:
+
+- throughput: generated tokens / wall time (submission of the batch to the last finish);
+- TTFT p50/p90 and end-to-end p50, from submission of the whole batch (RequestOutput.metrics);
+- tokens computed: every token the scheduler put in a forward pass (Σ batch.total_tokens). The
+  minimum is Σ (prompt − cached + generated − 1) (the last sampled token is never fed back);
+  anything above it (padding, recomputation after preemption) is reported as `padding_tokens`;
+- prefill tokens computed vs prompt tokens (prefix caching shows up here), prefix hit rate;
+- KV blocks at peak: after every step, blocks referenced vs the tokens live in running sequences.
+
+`profile_qrun` runs torch.profiler over a few engine steps and splits the wall time into matmul,
+attention, sampling, other torch ops and Python overhead (wall time outside any torch op).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from qrun.sampling_params import SamplingParams
+
+
+@dataclass
+class BenchRequest:
+    id: str
+    prompt: str
+    max_tokens: int
+    prefix_id: int | None = None
+
+
+def load_workload(path: str | Path, num_requests: int | None = None,
+                  max_tokens_cap: int | None = None) -> list[BenchRequest]:
+    """The first `num_requests` lines of a JSONL workload; `max_tokens` optionally capped."""
+    requests = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if num_requests is not None and len(requests) >= num_requests:
+                break
+            row = json.loads(line)
+            max_tokens = int(row["max_tokens"])
+            if max_tokens_cap:
+                max_tokens = min(max_tokens, max_tokens_cap)
+            requests.append(BenchRequest(str(row.get("id", len(requests))), row["prompt"], max_tokens,
+                                         row.get("prefix_id")))
+    if num_requests is not None and len(requests) < num_requests:
+        raise ValueError(f"{path} has only {len(requests)} requests, {num_requests} asked for")
+    return requests
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); nan for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def latency_summary(ttfts: Sequence[float], e2es: Sequence[float]) -> dict[str, float]:
+    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "e2e_p50_s": percentile(e2es, 50)}
+
+
+def reset_prefix_cache(engine) -> None:
+    """Forget every cached prefix so each measured run starts cold (no request may be running)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("cannot reset the prefix cache while requests are running")
+    bm = engine.block_manager
+    for block_id in list(bm.evictable):
+        block = bm.blocks[block_id]
+        block.hash, block.token_ids = None, ()
+        bm.free_ids.append(block_id)
+    bm.evictable.clear()
+    bm.cached.clear()
+
+
+@contextmanager
+def _instrument(engine, counters: dict[str, Any]) -> Iterator[None]:
+    """Count scheduled tokens and sample KV use after each step, by wrapping the instance methods."""
+    scheduler, block_manager = engine.scheduler, engine.block_manager
+    block_size = block_manager.block_size
+    original_schedule, original_step = scheduler.schedule, engine.step
+
+    def schedule():
+        batch = original_schedule()
+        counters["steps"] += 1 if batch else 0
+        counters["tokens_computed"] += batch.total_tokens
+        counters["max_batch_tokens"] = max(counters["max_batch_tokens"], batch.total_tokens)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens  # the step has not run yet; admission already counted hits
+            counters["prefill_computed"] += max(0, min(start + n, len(seq.prompt_token_ids)) - start)
+        return batch
+
+    def step():
+        outputs = original_step()
+        running = scheduler.running
+        live = sum(seq.num_computed_tokens for seq in running)
+        used = block_manager.num_blocks - block_manager.num_free_blocks
+        if used > counters["peak_blocks"]:
+            counters["peak_blocks"] = used
+            counters["live_tokens_at_peak"] = live
+            counters["ceil_blocks_at_peak"] = sum(-(-seq.num_computed_tokens // block_size) for seq in running)
+        counters["peak_running"] = max(counters["peak_running"], len(running))
+        return outputs
+
+    scheduler.schedule, engine.step = schedule, step
+    try:
+        yield
+    finally:  # drop the instance attributes; the class methods show through again
+        del scheduler.schedule
+        del engine.step
+
+
+def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
+             prompt_token_ids: Sequence[list[int]] | None = None, cold_prefix_cache: bool = True) -> dict:
+    """Run `requests` through `llm` (a qrun.LLM) as one batch submitted at once; return the metrics."""
+    engine = llm.engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine has unfinished requests; run_qrun needs it idle")
+    if prompt_token_ids is None:
+        prompt_token_ids = [llm.tokenizer.encode(r.prompt) for r in requests]
+    if cold_prefix_cache:
+        reset_prefix_cache(engine)
+    block_size = engine.block_manager.block_size
+    bm = engine.block_manager
+    before = engine.stats()
+    queries0, hits0 = bm.prefix_queries, bm.prefix_hits
+    counters = dict(steps=0, tokens_computed=0, prefill_computed=0, max_batch_tokens=0, peak_blocks=0,
+                    live_tokens_at_peak=0, ceil_blocks_at_peak=0, peak_running=0)
+    ids = [f"bench-{system}-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
+    finished: dict[str, Any] = {}
+    with _instrument(engine, counters):
+        t0 = time.time()
+        for request_id, ids_, r in zip(ids, prompt_token_ids, requests):
+            engine.add_request(request_id, ids_, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                                ignore_eos=True), arrival_time=t0)
+        try:
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        except BaseException:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        t_end = time.time()
+    after = engine.stats()
+    outs = [finished[i] for i in ids]
+    generated = sum(len(o.token_ids) for o in outs)
+    expected = sum(r.max_tokens for r in requests)
+    if generated != expected:
+        raise RuntimeError(f"qrun generated {generated} tokens, expected exactly {expected} (ignore_eos)")
+    prompt_tokens = sum(o.metrics.num_prompt_tokens for o in outs)
+    cached = sum(o.metrics.num_cached_tokens for o in outs)
+    required = prompt_tokens - cached + generated - len(outs)
+    ttfts = [o.metrics.first_token_time - t0 for o in outs]
+    e2es = [o.metrics.finish_time - t0 for o in outs]
+    wall = t_end - t0
+    live = counters["live_tokens_at_peak"]
+    queries = bm.prefix_queries - queries0
+    result = {
+        "system": system,
+        "num_requests": len(outs),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        **latency_summary(ttfts, e2es),
+        "prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": cached,
+        "tokens_computed": counters["tokens_computed"],
+        "tokens_required": required,
+        "padding_tokens": counters["tokens_computed"] - required,
+        "prefill_tokens_computed": counters["prefill_computed"],
+        "prefill_fraction": counters["prefill_computed"] / prompt_tokens if prompt_tokens else math.nan,
+        "prefix_hit_rate": (bm.prefix_hits - hits0) / queries if queries else 0.0,
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "steps": counters["steps"],
+        "max_batch_tokens": counters["max_batch_tokens"],
+        "peak_running": counters["peak_running"],
+        "kv_block_size": block_size,
+        "kv_blocks_total": after["kv_blocks_total"],
+        "kv_peak_blocks": counters["peak_blocks"],
+        "kv_live_tokens_at_peak": live,
+        # allocated slots / live tokens at the peak (1.0 = no waste; < 1 when prefixes are shared)
+        "kv_alloc_over_live": counters["peak_blocks"] * block_size / live if live else math.nan,
+        # allocated blocks / Σ ceil(live / block_size): waste beyond each sequence's partial last block
+        "kv_alloc_over_ceil": (counters["peak_blocks"] / counters["ceil_blocks_at_peak"]
+                               if counters["ceil_blocks_at_peak"] else math.nan),
+    }
+    return result
+
+
+# -- profiling --------------------------------------------------------------------------------
+
+class _LabelledOps:
+    """Stands in for a model's kernel-ops object, labelling attention calls for the profiler."""
+
+    def __init__(self, ops, label: str):
+        self._ops, self._label = ops, label
+
+    def __getattr__(self, name):
+        import torch
+
+        fn = getattr(self._ops, name)
+        if not callable(fn):
+            return fn
+
+        def wrapped(*args, **kwargs):
+            with torch.profiler.record_function(self._label):
+                return fn(*args, **kwargs)
+        return wrapped
+
+
+@contextmanager
+def _labelled_model(engine) -> Iterator[None]:
+    """Label matmuls (Linear/QuantLinear modules, the LM head), attention ops and sampling."""
+    import torch
+    import qrun.llm_engine as llm_engine
+
+    model = engine.loaded.model
+    handles, patched = [], []
+    active: dict[int, Any] = {}
+
+    def pre(module, args):
+        rf = torch.profiler.record_function("qrun::matmul")
+        rf.__enter__()
+        active.setdefault(id(module), []).append(rf)
+
+    def post(module, args, output):
+        active[id(module)].pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "QuantLinear":
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
+        if hasattr(module, "ops") and type(module).__name__ == "Attention":
+            patched.append((module, module.ops))
+            module.ops = _LabelledOps(module.ops, "qrun::attention")
+    original_sample = llm_engine.sample
+
+    def sample(*args, **kwargs):
+        with torch.profiler.record_function("qrun::sample"):
+            return original_sample(*args, **kwargs)
+    llm_engine.sample = sample
+    try:
+        yield
+    finally:
+        llm_engine.sample = original_sample
+        for module, ops in patched:
+            module.ops = ops
+        for handle in handles:
+            handle.remove()
+
+
+def profile_qrun(llm, requests: Sequence[BenchRequest], *, steps: int = 8, skip_steps: int = 4,
+                 top: int = 15) -> dict:
+    """Profile `steps` engine steps (after `skip_steps`) of the workload; abort the rest.
+
+    Returns the top ops by self CPU time and the wall-time split: matmul (Linear modules and the
+    LM head, including any dequantization inside them), attention (rotary, KV store, paged
+    attention), sampling, other torch ops, and Python overhead = wall − time inside torch ops.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    reset_prefix_cache(engine)
+    ids = [f"profile-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
+    for request_id, r in zip(ids, requests):
+        engine.add_request(request_id, r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                                ignore_eos=True))
+    try:
+        for _ in range(skip_steps):
+            engine.step()
+        batch_tokens = []
+        original_schedule = engine.scheduler.schedule
+
+        def schedule():
+            batch = original_schedule()
+            batch_tokens.append(batch.total_tokens)
+            return batch
+        engine.scheduler.schedule = schedule
+        try:
+            with _labelled_model(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                wall = time.perf_counter() - t0
+        finally:
+            del engine.scheduler.schedule
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+    events = prof.key_averages()
+    labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith("qrun::")}
+    ops = [e for e in events if not e.key.startswith("qrun::") and not e.key.startswith("ProfilerStep")]
+    in_torch = sum(e.self_cpu_time_total for e in ops) / 1e6
+    matmul, attention, sampling = (labels.get(k, 0.0) for k in ("qrun::matmul", "qrun::attention", "qrun::sample"))
+    # Torch ops under a label = the label's inclusive time minus its own (Python glue) time.
+    under_labels = sum(e.cpu_time_total - e.self_cpu_time_total for e in events if e.key.startswith("qrun::")) / 1e6
+    other_torch = max(0.0, in_torch - under_labels)
+    top_ops = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "steps": steps,
+        "tokens_per_step": batch_tokens,
+        "wall_s": wall,
+        "torch_ops_s": in_torch,
+        "python_overhead_s": max(0.0, wall - in_torch),
+        "python_overhead_share": max(0.0, wall - in_torch) / wall,
+        "matmul_s": matmul,
+        "attention_s": attention,
+        "sample_s": sampling,
+        "other_torch_s": other_torch,
+        "top_ops": [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count,
+                     "share_of_wall": e.self_cpu_time_total / 1e6 / wall} for e in top_ops],
+    }
+
+
+def format_profile(p: dict) -> str:
+    wall = p["wall_s"]
+    lines = [f"profile: {p['steps']} steps, tokens/step {p['tokens_per_step']}, wall {wall * 1e3:.1f} ms",
+             f"  matmul (Linear + LM head, incl. dequant) {p['matmul_s'] / wall:6.1%}   "
+             f"attention (rotary+store+paged) {p['attention_s'] / wall:6.1%}   sampling {p['sample_s'] / wall:6.1%}",
+             f"  all torch ops {p['torch_ops_s'] / wall:6.1%}   Python overhead (outside torch ops) "
+             f"{p['python_overhead_share']:6.1%}",
+             f"  {'op':<44} {'self ms':>9} {'calls':>7} {'% wall':>7}"]
+    for op in p["top_ops"]:
+        lines.append(f"  {op['op'][:44]:<44} {op['self_cpu_s'] * 1e3:9.2f} {op['calls']:7d} {op['share_of_wall']:7.1%}")
+    return "\n".join(lines)
+
+
+# -- reporting --------------------------------------------------------------------------------
+
+TABLE_COLUMNS = [
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("wall_s", "wall s", "{:.2f}"),
+    ("ttft_p50_s", "TTFT p50", "{:.2f}"),
+    ("ttft_p90_s", "TTFT p90", "{:.2f}"),
+    ("e2e_p50_s", "E2E p50", "{:.2f}"),
+    ("padding_tokens", "pad tok", "{:d}"),
+    ("kv_alloc_over_live", "KV alloc/live", "{:.3f}"),
+    ("prefill_fraction", "prefill/prompt", "{:.1%}"),
+    ("prefix_hit_rate", "prefix hit", "{:.1%}"),
+]
+
+
+def aggregate(runs: Sequence[dict]) -> dict:
+    """Median over repeats of every numeric metric; other fields from the first run."""
+    if len(runs) == 1:
+        return dict(runs[0], repeats=1)
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+            med = statistics.median(values)
+            out[key] = type(value)(med) if isinstance(value, int) and med == int(med) else med
+    out["repeats"] = len(runs)
+    out["tokens_per_s_all"] = [r["tokens_per_s"] for r in runs]
+    return out
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def format_table(results: Sequence[dict], baseline: str = "qrun") -> str:
+    """One row per system, plus the ratios to `baseline` (throughput ×, TTFT p50 ×)."""
+    base = next((r for r in results if r["system"] == baseline), None)
+    header = ["system"] + [title for _, title, _ in TABLE_COLUMNS]
+    if base:
+        header += [f"{baseline} tok/s ×", f"{baseline} TTFT ÷"]
+    rows = [header]
+    for r in results:
+        row = [r["system"]] + [_cell(r.get(key), fmt) for key, _, fmt in TABLE_COLUMNS]
+        if base:
+            row.append(_cell(base["tokens_per_s"] / r["tokens_per_s"], "{:.2f}x"))
+            row.append(_cell(r["ttft_p50_s"] / base["ttft_p50_s"] if base["ttft_p50_s"] else math.nan, "{:.2f}x"))
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

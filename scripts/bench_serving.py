@@ -1,0 +1,528 @@
+#!/usr/bin/env python
+"""Serving benchmark: one workload through qrun and its peers in one run, interleaved.
+
+Every system gets the same requests (greedy, EOS ignored, each request's `max_tokens` exact), the
+same model file (the GGUF; transformers dequantizes it to --dtype), the same dtype and thread count.
+The whole batch is submitted at once: TTFT and end-to-end latency count from that submission.
+
+    python scripts/bench_serving.py --workload ../shared/data/workloads/mixed_lengths.jsonl \
+        --num-requests 64 --systems qrun,hf_static,hf_cb,llamacpp --repeats 3 --json out.json
+    python scripts/bench_serving.py --workload ../shared/data/workloads/shared_prefix.jsonl \
+        --num-requests 64 --systems qrun,qrun_noprefix
+    python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun,hf_static --profile
+
+Systems:
+  qrun           qrun.LLM, continuous batching, prefix caching on (metrics: qrun.bench.run_qrun)
+  qrun_noprefix  the same engine with enable_prefix_caching=False
+  hf_static      transformers `generate`, left padding, batches of --batch-size in arrival order,
+                 each batch runs to its longest max_tokens (static batching)
+  hf_cb          transformers continuous batching (the manager behind `generate_batch`), explicit
+                 cache settings sized like qrun's; requests added one by one so each keeps its own
+                 max_new_tokens (generate_batch itself takes one max_new_tokens for all)
+  llamacpp       llama.cpp (llama-cpp-python's low-level batch API) on the same GGUF, parallel
+                 sequences; skipped with a message when llama-cpp-python is not installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qrun.bench import (BenchRequest, aggregate, format_profile, format_table, latency_summary, load_workload,
+                        profile_qrun, run_qrun)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
+ALL_SYSTEMS = ["qrun", "qrun_noprefix", "hf_static", "hf_cb", "llamacpp"]
+
+
+class SkipSystem(Exception):
+    """A peer that cannot run here (package missing); reported, not fatal."""
+
+
+def gguf_path(model: str) -> Path:
+    from qrun.sources import resolve
+
+    source = resolve(model)
+    if source.kind != "gguf":
+        raise SystemExit(f"--model {model!r} resolves to a {source.kind} folder; the peers need a .gguf file")
+    return Path(source.path)
+
+
+# -- qrun -----------------------------------------------------------------------------------------
+
+class QrunSystem:
+    def __init__(self, name: str, args, prefix_caching: bool):
+        from qrun import LLM
+
+        kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_batch_tokens, block_size=args.block_size,
+                      enable_prefix_caching=prefix_caching)
+        if args.kv_cache_memory is not None:
+            kwargs["kv_cache_memory"] = args.kv_cache_memory
+        self.name = name
+        self.llm = LLM(args.model, **kwargs)
+        self.ids: list[list[int]] | None = None
+
+    def kv_tokens(self) -> int:
+        bm = self.llm.engine.block_manager
+        return bm.num_blocks * bm.block_size
+
+    def run(self, requests: list[BenchRequest]) -> dict:
+        if self.ids is None or len(self.ids) != len(requests):
+            self.ids = [self.llm.tokenizer.encode(r.prompt) for r in requests]
+        return run_qrun(self.llm, requests, system=self.name, prompt_token_ids=self.ids)
+
+
+# -- transformers ---------------------------------------------------------------------------------
+
+def load_hf(path: Path, dtype: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
+    model.eval()
+    return model, tok
+
+
+def hf_encode(tok, prompt: str) -> list[int]:
+    return tok(prompt, add_special_tokens=True)["input_ids"]
+
+
+class _FirstToken:
+    """A generate() streamer that stamps the first new token (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.time = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.time is None:
+            self.time = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class HFStaticSystem:
+    name = "hf_static"
+
+    def __init__(self, model, tok, batch_size: int):
+        self.model, self.tok, self.batch_size = model, tok, batch_size
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.ids: list[list[int]] | None = None
+
+    @torch.inference_mode()
+    def run(self, requests: list[BenchRequest]) -> dict:
+        if self.ids is None or len(self.ids) != len(requests):
+            self.ids = [hf_encode(self.tok, r.prompt) for r in requests]
+        ttfts, e2es = [], []
+        generated = padding = 0
+        peak_alloc, live_at_peak = 0, 0
+        t0 = time.perf_counter()
+        for start in range(0, len(requests), self.batch_size):
+            chunk = list(range(start, min(start + self.batch_size, len(requests))))
+            prompts = [self.ids[i] for i in chunk]
+            max_new = max(requests[i].max_tokens for i in chunk)
+            width = max(len(p) for p in prompts)
+            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, p in enumerate(prompts):  # left padding
+                input_ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            streamer = _FirstToken()
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new,
+                                      min_new_tokens=max_new, do_sample=False, pad_token_id=self.pad_id,
+                                      streamer=streamer)
+            done = time.perf_counter()
+            if out.shape[1] - width != max_new:
+                raise RuntimeError(f"hf_static generated {out.shape[1] - width} tokens, expected {max_new}")
+            real = sum(len(p) + requests[i].max_tokens for p, i in zip(prompts, chunk))
+            allocated = len(chunk) * (width + max_new)
+            padding += allocated - real
+            if allocated > peak_alloc:
+                peak_alloc, live_at_peak = allocated, real
+            # A request's own max_tokens are what it asked for; the rest of its row is waste.
+            generated += sum(requests[i].max_tokens for i in chunk)
+            ttfts += [streamer.time - t0] * len(chunk)
+            e2es += [done - t0] * len(chunk)
+        wall = time.perf_counter() - t0
+        prompt_tokens = sum(len(p) for p in self.ids)
+        return {"system": self.name, "num_requests": len(requests), "generated_tokens": generated,
+                "wall_s": wall, "tokens_per_s": generated / wall, **latency_summary(ttfts, e2es),
+                "prompt_tokens": prompt_tokens, "padding_tokens": padding, "batch_size": self.batch_size,
+                "prefill_fraction": 1.0, "prefix_hit_rate": 0.0,
+                "kv_alloc_over_live": peak_alloc / live_at_peak if live_at_peak else math.nan}
+
+
+class HFContinuousSystem:
+    name = "hf_cb"
+
+    def __init__(self, model, tok, *, page_size: int, num_blocks: int, max_batch_tokens: int,
+                 max_requests: int):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        self.model, self.tok = model, tok
+        self.ids: list[list[int]] | None = None
+        # Explicit sizes: the defaults size the cache from (GPU) memory and batches of 8192 tokens,
+        # whose attention masks are pathological on CPU.
+        self.cb_config = ContinuousBatchingConfig(
+            page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=max_requests, use_cuda_graph=False, use_async_batching=False,
+            scheduler_type="fifo", allow_block_sharing=True)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.gen_config = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=-1, pad_token_id=pad)
+        self.settings = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                             max_requests_per_batch=max_requests)
+
+    @torch.inference_mode()
+    def run(self, requests: list[BenchRequest]) -> dict:
+        if self.ids is None or len(self.ids) != len(requests):
+            self.ids = [hf_encode(self.tok, r.prompt) for r in requests]
+        results = {}
+        with self.model.continuous_batching_context_manager(
+                generation_config=self.gen_config, continuous_batching_config=self.cb_config,
+                block=True, timeout=30, warmup=True) as manager:
+            t0 = time.perf_counter()
+            rids = [manager.add_request(ids, request_id=f"r{i}", max_new_tokens=r.max_tokens,
+                                        record_timestamps=True, eos_token_id=-1)
+                    for i, (ids, r) in enumerate(zip(self.ids, requests))]
+            while len(results) < len(rids):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching thread stopped early")
+                    continue
+                if result.is_finished():
+                    results[result.request_id] = result
+            t_end = time.perf_counter()
+        outs = [results[rid] for rid in rids]
+        bad = [(o.request_id, o.error) for o in outs if o.error is not None]
+        if bad:
+            raise RuntimeError(f"hf_cb requests failed: {bad[:3]}")
+        generated = sum(len(o.generated_tokens) for o in outs)
+        expected = sum(r.max_tokens for r in requests)
+        if generated != expected:
+            raise RuntimeError(f"hf_cb generated {generated} tokens, expected exactly {expected}")
+        ttfts = [o.timestamps[0] - t0 for o in outs]
+        e2es = [o.timestamps[-1] - t0 for o in outs]
+        wall = t_end - t0
+        return {"system": self.name, "num_requests": len(outs), "generated_tokens": generated, "wall_s": wall,
+                "tokens_per_s": generated / wall, **latency_summary(ttfts, e2es),
+                "prompt_tokens": sum(len(p) for p in self.ids), "padding_tokens": None,
+                "prefill_fraction": None, "prefix_hit_rate": None, "kv_alloc_over_live": None,
+                "cb_settings": self.settings}
+
+
+# -- llama.cpp --------------------------------------------------------------------------------------
+
+def _first(module, *names):
+    for name in names:
+        fn = getattr(module, name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError(f"llama_cpp has none of {names}; unsupported llama-cpp-python version")
+
+
+class LlamaCppSystem:
+    """llama.cpp through llama-cpp-python's low-level API: one `llama_batch` per step holding a
+    decode token for every running sequence plus prompt chunks of newly admitted ones (the same
+    token budget and sequence cap as qrun), greedy argmax on the host, a unified KV cache."""
+
+    name = "llamacpp"
+
+    def __init__(self, path: Path, *, threads: int, n_ctx: int, n_batch: int, n_seq_max: int):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise SkipSystem("llama-cpp-python is not installed (pip install llama-cpp-python); "
+                             "llamacpp skipped") from None
+        import numpy as np
+
+        self.lc, self.np = llama_cpp, np
+        self.n_ctx, self.n_batch, self.n_seq_max = n_ctx, n_batch, n_seq_max
+        llama_cpp.llama_backend_init()
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        load = _first(llama_cpp, "llama_model_load_from_file", "llama_load_model_from_file")
+        self.model = load(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        if hasattr(cparams, "kv_unified"):
+            cparams.kv_unified = True  # one pool shared by all sequences, like a paged cache
+        if hasattr(cparams, "no_perf"):
+            cparams.no_perf = True
+        new_context = _first(llama_cpp, "llama_init_from_model", "llama_new_context_with_model")
+        self.ctx = new_context(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        if hasattr(llama_cpp, "llama_model_get_vocab") and hasattr(llama_cpp, "llama_vocab_n_tokens"):
+            self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+            self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        else:
+            self.vocab = None
+            self.n_vocab = llama_cpp.llama_n_vocab(self.model)
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.ids: list[list[int]] | None = None
+
+    def _tokenize(self, text: str) -> list[int]:
+        lc = self.lc
+        data = text.encode()
+        buf = (lc.llama_token * (len(data) + 16))()
+        target = self.vocab if self.vocab is not None else self.model
+        n = lc.llama_tokenize(target, data, len(data), buf, len(buf), True, False)
+        if n < 0:
+            buf = (lc.llama_token * -n)()
+            n = lc.llama_tokenize(target, data, len(data), buf, len(buf), True, False)
+        return list(buf[:n])
+
+    def _seq_rm(self, seq: int) -> None:
+        lc = self.lc
+        if hasattr(lc, "llama_get_memory") and hasattr(lc, "llama_memory_seq_rm"):
+            lc.llama_memory_seq_rm(lc.llama_get_memory(self.ctx), seq, -1, -1)
+        else:
+            _first(lc, "llama_kv_self_seq_rm", "llama_kv_cache_seq_rm")(self.ctx, seq, -1, -1)
+
+    def run(self, requests: list[BenchRequest]) -> dict:
+        lc, np = self.lc, self.np
+        if self.ids is None or len(self.ids) != len(requests):
+            self.ids = [self._tokenize(r.prompt) for r in requests]
+        waiting = list(range(len(requests)))
+        free_slots = list(range(self.n_seq_max))[::-1]
+        # per running request: slot, position (tokens in cache), next prompt index, generated count
+        running: dict[int, dict] = {}
+        reserved = 0
+        first, finish = [math.nan] * len(requests), [math.nan] * len(requests)
+        generated = computed = 0
+        batch = self.batch
+        t0 = time.perf_counter()
+        while waiting or running:
+            n, rows = 0, []  # rows: (request, batch index) whose logits are sampled this step
+            for i, st in running.items():  # decode: one token each
+                if st["next"] is not None:
+                    self._add(batch, n, st["next"], st["pos"], st["slot"], True)
+                    rows.append((i, n))
+                    st["pos"] += 1
+                    n += 1
+            for i, st in running.items():  # continue unfinished prefills
+                n = self._prefill(batch, n, i, st, rows)
+            while waiting and n < self.n_batch and free_slots:
+                i = waiting[0]
+                need = len(self.ids[i]) + requests[i].max_tokens
+                if reserved + need > self.n_ctx:  # whole-request reservation: llama.cpp has no preemption
+                    break
+                waiting.pop(0)
+                reserved += need
+                st = running[i] = {"slot": free_slots.pop(), "pos": 0, "prompt_at": 0, "next": None, "gen": 0}
+                n = self._prefill(batch, n, i, st, rows)
+            batch.n_tokens = n
+            if n == 0:
+                raise RuntimeError("llamacpp: nothing schedulable (n_ctx too small for the next request)")
+            rc = lc.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            computed += n
+            now = time.perf_counter()
+            for i, index in rows:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,))
+                st = running[i]
+                st["next"] = int(logits.argmax())
+                st["gen"] += 1
+                generated += 1
+                if st["gen"] == 1:
+                    first[i] = now - t0
+                if st["gen"] >= requests[i].max_tokens:
+                    finish[i] = now - t0
+                    self._seq_rm(st["slot"])
+                    free_slots.append(st["slot"])
+                    reserved -= len(self.ids[i]) + requests[i].max_tokens
+                    del running[i]
+        wall = time.perf_counter() - t0
+        prompt_tokens = sum(len(p) for p in self.ids)
+        return {"system": self.name, "num_requests": len(requests), "generated_tokens": generated,
+                "wall_s": wall, "tokens_per_s": generated / wall, **latency_summary(first, finish),
+                "prompt_tokens": prompt_tokens, "tokens_computed": computed,
+                "padding_tokens": computed - (prompt_tokens + generated - len(requests)),
+                "prefill_fraction": 1.0, "prefix_hit_rate": 0.0, "kv_alloc_over_live": None}
+
+    def _add(self, batch, n: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        batch.token[n] = token
+        batch.pos[n] = pos
+        batch.n_seq_id[n] = 1
+        batch.seq_id[n][0] = seq
+        batch.logits[n] = logits
+
+    def _prefill(self, batch, n: int, i: int, st: dict, rows: list) -> int:
+        prompt = self.ids[i]
+        while st["prompt_at"] < len(prompt) and n < self.n_batch:
+            last = st["prompt_at"] == len(prompt) - 1
+            self._add(batch, n, prompt[st["prompt_at"]], st["pos"], st["slot"], last)
+            if last:
+                rows.append((i, n))
+            st["prompt_at"] += 1
+            st["pos"] += 1
+            n += 1
+        return n
+
+    def close(self) -> None:
+        lc = self.lc
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        _first(lc, "llama_model_free", "llama_free_model")(self.model)
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="JSONL: id, prompt, max_tokens per line")
+    ap.add_argument("--num-requests", type=int, default=64, help="first N requests of the workload")
+    ap.add_argument("--max-tokens-cap", type=int, default=None, help="cap every max_tokens (quick runs)")
+    ap.add_argument("--systems", default="qrun,hf_static,hf_cb,llamacpp",
+                    help=f"comma-separated, from {','.join(ALL_SYSTEMS)}")
+    ap.add_argument("--model", default="smollm2-135m", help="qrun model alias or .gguf path")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and llama.cpp threads")
+    ap.add_argument("--batch-size", type=int, default=8, help="hf_static batch size")
+    ap.add_argument("--repeats", type=int, default=1, help="measured runs per system, interleaved")
+    ap.add_argument("--warmup", type=int, default=4, help="requests in a warm-up run per system (0: none)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="running-sequence cap (qrun, hf_cb, llamacpp)")
+    ap.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (qrun, hf_cb, llamacpp)")
+    ap.add_argument("--block-size", type=int, default=16, help="qrun KV block size (and hf_cb page size)")
+    ap.add_argument("--kv-cache-memory", type=float, default=None,
+                    help="qrun kv_cache_memory: bytes (> 1) or a fraction of free memory (default: engine's)")
+    ap.add_argument("--json", default=None, help="write every run and the medians here")
+    ap.add_argument("--profile", action="store_true", help="profile a few qrun engine steps")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.kv_cache_memory is not None and args.kv_cache_memory > 1:
+        args.kv_cache_memory = int(args.kv_cache_memory)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in ALL_SYSTEMS]
+    if unknown:
+        ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    requests = load_workload(args.workload, args.num_requests, args.max_tokens_cap)
+    path = gguf_path(args.model)
+    print(f"workload {args.workload}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} tokens to "
+          f"generate; model {path.name} as {args.dtype}; {args.threads} threads; systems {args.systems}",
+          flush=True)
+
+    systems: dict[str, object] = {}
+    skipped: dict[str, str] = {}
+    for name in args.systems:
+        t = time.perf_counter()
+        try:
+            if name in ("qrun", "qrun_noprefix"):
+                systems[name] = QrunSystem(name, args, prefix_caching=(name == "qrun"))
+            elif name in ("hf_static", "hf_cb"):
+                if "_hf" not in systems:
+                    systems["_hf"] = load_hf(path, args.dtype)
+                model, tok = systems["_hf"]
+                if name == "hf_static":
+                    systems[name] = HFStaticSystem(model, tok, args.batch_size)
+                else:
+                    # Sized like qrun's cache, but no bigger than the workload could use.
+                    need = sum(len(hf_encode(tok, r.prompt)) + r.max_tokens for r in requests)
+                    qrun_sys = systems.get("qrun") or systems.get("qrun_noprefix")
+                    tokens = min(need, qrun_sys.kv_tokens()) if qrun_sys else need
+                    num_blocks = -(-tokens // args.block_size) + args.max_num_seqs
+                    systems[name] = HFContinuousSystem(model, tok, page_size=args.block_size, num_blocks=num_blocks,
+                                                       max_batch_tokens=args.max_batch_tokens,
+                                                       max_requests=args.max_num_seqs)
+            elif name == "llamacpp":
+                qrun_sys = systems.get("qrun") or systems.get("qrun_noprefix")
+                n_ctx = qrun_sys.kv_tokens() if qrun_sys else 32768
+                systems[name] = LlamaCppSystem(path, threads=args.threads, n_ctx=n_ctx,
+                                               n_batch=args.max_batch_tokens, n_seq_max=args.max_num_seqs)
+        except SkipSystem as why:
+            skipped[name] = str(why)
+            print(f"[{name}] skipped: {why}", flush=True)
+            continue
+        print(f"[{name}] loaded in {time.perf_counter() - t:.1f}s", flush=True)
+    order = [s for s in args.systems if s in systems]
+
+    if args.warmup:
+        warm = requests[:args.warmup]
+        warm = [BenchRequest(r.id, r.prompt, min(r.max_tokens, 8), r.prefix_id) for r in warm]
+        for name in order:
+            t = time.perf_counter()
+            systems[name].ids = None
+            systems[name].run(warm)
+            systems[name].ids = None
+            print(f"[{name}] warm-up ({len(warm)} requests) {time.perf_counter() - t:.1f}s", flush=True)
+
+    runs: dict[str, list[dict]] = {name: [] for name in order}
+    for rep in range(args.repeats):
+        for name in order:
+            result = systems[name].run(requests)
+            result["repeat"] = rep
+            runs[name].append(result)
+            print(f"[{name}] repeat {rep}: {result['tokens_per_s']:.1f} tok/s, wall {result['wall_s']:.2f}s, "
+                  f"TTFT p50 {result['ttft_p50_s']:.2f}s", flush=True)
+
+    summary = [aggregate(runs[name]) for name in order]
+    print()
+    print(format_table(summary))
+    base = next((r for r in summary if r["system"] == "qrun"), None)
+    if base:
+        print(f"\nqrun: {base['tokens_computed']} tokens computed for {base['tokens_required']} required "
+              f"(padding/recompute {base['padding_tokens']}, preemptions {base['preemptions']}); prefill computed "
+              f"{base['prefill_tokens_computed']} of {base['prompt_tokens']} prompt tokens "
+              f"({base['prefill_fraction']:.1%}); KV peak {base['kv_peak_blocks']} blocks x {base['kv_block_size']} "
+              f"for {base['kv_live_tokens_at_peak']} live tokens (alloc/live {base['kv_alloc_over_live']:.3f}, "
+              f"alloc/ceil {base['kv_alloc_over_ceil']:.3f}) of {base['kv_blocks_total']} blocks")
+        for r in summary:
+            if r is not base:
+                print(f"qrun vs {r['system']}: throughput {base['tokens_per_s'] / r['tokens_per_s']:.2f}x, "
+                      f"TTFT p50 {base['ttft_p50_s'] / r['ttft_p50_s']:.2f} of theirs")
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
+
+    profile = None
+    if args.profile:
+        qname = "qrun" if "qrun" in systems else ("qrun_noprefix" if "qrun_noprefix" in systems else None)
+        if qname is None:
+            print("--profile needs qrun or qrun_noprefix among --systems")
+        else:
+            profile = profile_qrun(systems[qname].llm, requests, steps=args.profile_steps)
+            print()
+            print(format_profile(profile))
+
+    if args.json:
+        payload = {"args": {k: v for k, v in vars(args).items()}, "workload": os.path.abspath(args.workload),
+                   "torch_threads": torch.get_num_threads(), "summary": summary, "runs": runs,
+                   "skipped": skipped, "profile": profile}
+        Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
+        print(f"\nwrote {args.json}")
+    for name in order:
+        close = getattr(systems[name], "close", None)
+        if close:
+            close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
