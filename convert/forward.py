@@ -116,15 +116,15 @@ class LayerRunner:
             if start < keep_inputs:
                 kept_attn.append(h[: keep_inputs - start])
                 kept_mlp.append(h2[: keep_inputs - start])
-                # Share of each block's output in the residual stream right after it: a block's
-                # relative error perturbs the stream in proportion to it.
-                energy[0] += float(a.pow(2).sum()) / max(float(res.pow(2).sum()), 1e-30)
-                energy[1] += float(m.pow(2).sum()) / max(float((res + m).pow(2).sum()), 1e-30)
+                # Mean squared norm of each block's output per token: a relative error in the
+                # block perturbs the residual stream (which carries it to the logits) by that much.
+                energy[0] += float(a[: keep_inputs - start].pow(2).sum(-1).mean())
+                energy[1] += float(m[: keep_inputs - start].pow(2).sum(-1).mean())
                 energy[2] += 1
             xs.append(m)
             residuals.append(res)
         kept = {"attn": torch.cat(kept_attn), "mlp": torch.cat(kept_mlp),
-                "share": {"attn": energy[0] / max(energy[2], 1), "mlp": energy[1] / max(energy[2], 1)}} if keep_inputs else {}
+                "energy": {"attn": energy[0] / max(energy[2], 1), "mlp": energy[1] / max(energy[2], 1)}} if keep_inputs else {}
         return Rows(torch.cat(xs), torch.cat(residuals)), kept
 
     def block_output(self, layer: DecoderLayer, block: str, h: torch.Tensor) -> torch.Tensor:

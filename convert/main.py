@@ -225,7 +225,7 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
                               final_dir, progress)
         head_tensors, head_layout = None, None
         if not config.tie_word_embeddings and "lm_head.weight" in other:
-            rows = load_rows(job.dir / "quantize" / "state.pt")
+            rows = load_rows(job.dir / "quantize" / f"state_{config.num_layers - 1:04d}.pt")
             head_tensors, head_layout = quantize_head(config, runner, rows, other, head_bits, chosen_preset)
         write_other_shard(config, other, head_tensors, final_dir)
         file_bytes = write_index(final_dir, config.num_layers + 1)

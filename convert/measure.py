@@ -165,7 +165,7 @@ def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config
             if on_candidate:
                 on_candidate()
         results[block] = entries
-    results["share"] = kept["share"]
+    results["energy"] = kept["energy"]
     return results, nxt
 
 
@@ -175,7 +175,7 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
     mdir = job.sub("measure")
     done = job.get("measure_done", -1)
     if done >= 0:
-        rows = load_rows(mdir / "state.pt")
+        rows = load_rows(mdir / f"state_{done:04d}.pt")
     per_step = 2 * len(preset.candidates)
     task = progress.stage("measure", config.num_layers * per_step, completed=(done + 1) * per_step)
     for i in range(done + 1, config.num_layers):
@@ -184,8 +184,9 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         t0 = time.time()
         results, rows = measure_layer(layer, runner, rows, preset, config, lambda: progress.advance(task))
         atomic_write_text(mdir / f"layer_{i:04d}.json", json.dumps({"time": time.time() - t0, **results}))
-        save_rows(rows, mdir / "state.pt")
+        save_rows(rows, mdir / f"state_{i:04d}.pt")  # named by layer: a kill never mismatches
         job.set("measure_done", i)
+        (mdir / f"state_{i - 1:04d}.pt").unlink(missing_ok=True)
         del layer
     progress.finish(task)
     blocks = []
@@ -194,5 +195,5 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         for block in ("attn", "mlp"):
             blocks.append({"name": f"layers.{i}.{block}", "layer": i, "block": block,
                            "weights": block_weights(config, block), "results": data[block],
-                           "stream_share": data.get("share", {}).get(block, 1.0)})
+                           "output_energy": data.get("energy", {}).get(block, 1.0)})
     return blocks

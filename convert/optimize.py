@@ -1,9 +1,9 @@
 """Optimizer: one candidate per block so the total bits meet the target bpw, minimising error.
 
 A multiple-choice knapsack solved by dynamic programming over a finely discretised bit budget:
-minimise the sum over blocks of measured relative output error times the block's share of
-the residual stream after it (`stream_share`: a block whose output is small next to the
-stream perturbs it less), subject to sum(bits) <= target * weights. Costs are exact storage bits (all tensors counted).
+minimise the sum over blocks of measured relative output error times the block's output
+energy (`output_energy`, mean squared norm per token), i.e. the absolute perturbation each
+block adds to the residual stream, subject to sum(bits) <= target * weights. Costs are exact storage bits (all tensors counted).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
         arg = np.full(RESOLUTION + 1, -1, dtype=np.int16)
         for c, r in enumerate(b["results"]):
             cost = int(np.ceil(r["bits"] / unit - 1e-9))
-            err = r["error"] * b.get("stream_share", 1.0) if np.isfinite(r["error"]) else 1e30
+            err = r["error"] * b.get("output_energy", 1.0) if np.isfinite(r["error"]) else 1e30
             if cost > RESOLUTION:
                 continue
             cand = np.full(RESOLUTION + 1, inf)

@@ -53,7 +53,7 @@ def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, s
     done = job.get("quantize_done", -1)
     report = job.get("report", [])
     if done >= 0:
-        rows = load_rows(qdir / "state.pt")
+        rows = load_rows(qdir / f"state_{done:04d}.pt")
     total_shards = config.num_layers + 1
     task = progress.stage("quantize", config.num_layers, completed=done + 1)
     for i in range(done + 1, config.num_layers):
@@ -78,10 +78,11 @@ def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, s
         with swapped_weights(layer, quantized):
             rows, _ = runner.run(layer, rows)
         atomic_save(layer_tensors(i, layer, quantized), final_dir / shard_name(i, total_shards))
-        save_rows(rows, qdir / "state.pt")
+        save_rows(rows, qdir / f"state_{i:04d}.pt")  # named by layer: a kill never mismatches
         report.append(entry)
         job.state["report"] = report
         job.set("quantize_done", i)
+        (qdir / f"state_{i - 1:04d}.pt").unlink(missing_ok=True)
         progress.advance(task)
         del layer
     progress.finish(task)
