@@ -10,16 +10,15 @@ import argparse
 import dataclasses
 import json
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 
 from qrun.errors import QrunError
-from qrun.llm import LLM, Prompt
+from qrun.llm import LLM
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
 
@@ -34,23 +33,6 @@ HELP = """\
 
 # Markdown re-rendering is O(answer length); a few frames per second look live and stay cheap.
 REFRESH_SECONDS = 0.1
-
-
-def stream_outputs(llm: LLM, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
-    """Like LLM.stream, but yields each RequestOutput, so callers also get token counts and
-    cache metrics; closing the generator early aborts the request and frees its blocks."""
-    engine = llm.engine
-    request_id = f"cli-{uuid.uuid4().hex}"
-    engine.add_request(request_id, prompt, params)
-    try:
-        while True:
-            for output in engine.step():
-                if output.request_id == request_id:
-                    yield output
-                    if output.finished:
-                        return
-    finally:
-        engine.abort(request_id)
 
 
 def stats_line(output: RequestOutput, elapsed: float) -> str:
@@ -221,7 +203,7 @@ class ChatApp:
             self.console.print(f"[yellow]context full: dropped the oldest {dropped} messages[/yellow]")
         answer, output = "", None
         start = time.perf_counter()
-        stream = stream_outputs(session.llm, ids, session.params)
+        stream = session.llm.stream_outputs(ids, session.params)
         try:
             with Live(Markdown(""), console=self.console, auto_refresh=False, vertical_overflow="visible") as live:
                 shown = time.perf_counter()

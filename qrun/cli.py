@@ -144,11 +144,11 @@ def _generate_one(llm: "LLM", prompt: str, params: SamplingParams, chat: bool) -
     import sys
     import time
 
-    from qrun.chat import stats_line, stream_outputs
+    from qrun.chat import stats_line
 
     ids = chat_prompt_ids(llm, [{"role": "user", "content": prompt}]) if chat else prompt
     start, shown, output = time.perf_counter(), 0, None
-    for output in stream_outputs(llm, ids, params):
+    for output in llm.stream_outputs(ids, params):
         sys.stdout.write(output.text[shown:])
         sys.stdout.flush()
         shown = len(output.text)

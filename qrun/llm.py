@@ -56,21 +56,29 @@ class LLM:
                            rate=f"{(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s")
         return [finished[request_id] for request_id in ids]
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one completion as it is produced (stop strings already cut)."""
+    def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+                       ) -> Iterator[RequestOutput]:
+        """Yield one request's cumulative output after every step that advances it.
+
+        Closing the iterator early aborts the request and frees its blocks.
+        """
         engine = self.engine
         request_id = f"stream-{next(self._ids)}"
         engine.add_request(request_id, prompt, sampling_params)
-        sent = 0
         try:
             while True:
                 for output in engine.step():
-                    if output.request_id != request_id:
-                        continue
-                    if len(output.text) > sent:
-                        yield output.text[sent:]
-                        sent = len(output.text)
-                    if output.finished:
-                        return
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
         finally:
-            engine.abort(request_id)  # a no-op when finished; frees the blocks if the caller stopped early
+            engine.abort(request_id)  # a no-op once finished
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is produced (stop strings already cut)."""
+        sent = 0
+        for output in self.stream_outputs(prompt, sampling_params):
+            if len(output.text) > sent:
+                yield output.text[sent:]
+                sent = len(output.text)
