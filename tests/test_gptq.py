@@ -103,3 +103,23 @@ def test_candidates_quantized_together_equal_quantized_alone():
         alone = gptq_quantize(w, h, cand)
         assert result.layout == alone.layout
         torch.testing.assert_close(result.dequantized(), alone.dequantized(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_weights_are_reproduced_exactly_at_about_five_bits(smollm2_gguf):
+    from qrun.gguf import open_gguf
+
+    wanted = {"model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+    found = {}
+    for name, tensor in open_gguf(smollm2_gguf).tensors():
+        if name in wanted:
+            found[name] = tensor
+        if len(found) == len(wanted):
+            break
+    for name, w in found.items():
+        k = w.shape[1]
+        acc = HessianAccumulator(k)
+        acc.add(correlated_inputs(k, 256, seed=5))
+        result = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True, act_order="group"))
+        assert torch.equal(result.dequantized(), w), name
+        assert result.layout.bpw() < 5.1
