@@ -73,19 +73,6 @@ def latency_summary(ttfts: Sequence[float], e2es: Sequence[float]) -> dict[str, 
             "e2e_p50_s": percentile(e2es, 50)}
 
 
-def reset_prefix_cache(engine) -> None:
-    """Forget every cached prefix so each measured run starts cold (no request may be running)."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("cannot reset the prefix cache while requests are running")
-    bm = engine.block_manager
-    for block_id in list(bm.evictable):
-        block = bm.blocks[block_id]
-        block.hash, block.token_ids = None, ()
-        bm.free_ids.append(block_id)
-    bm.evictable.clear()
-    bm.cached.clear()
-
-
 @contextmanager
 def _instrument(engine, counters: dict[str, Any]) -> Iterator[None]:
     """Count scheduled tokens and sample KV use after each step, by wrapping the instance methods."""
@@ -132,7 +119,7 @@ def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
     if prompt_token_ids is None:
         prompt_token_ids = [llm.tokenizer.encode(r.prompt) for r in requests]
     if cold_prefix_cache:
-        reset_prefix_cache(engine)
+        engine.block_manager.reset_prefix_cache()
     block_size = engine.block_manager.block_size
     bm = engine.block_manager
     before = engine.stats()
@@ -276,7 +263,7 @@ def profile_qrun(llm, requests: Sequence[BenchRequest], *, steps: int = 8, skip_
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    reset_prefix_cache(engine)
+    engine.block_manager.reset_prefix_cache()
     ids = [f"profile-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
     for request_id, r in zip(ids, requests):
         engine.add_request(request_id, r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
@@ -398,3 +385,34 @@ def format_table(results: Sequence[dict], baseline: str = "qrun") -> str:
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# -- `qrun bench` -----------------------------------------------------------------------------
+
+def add_bench_arguments(parser) -> None:
+    from qrun.cli import add_engine_arguments
+
+    parser.add_argument("model", help="model folder, .gguf, alias or hub id")
+    parser.add_argument("--workload", required=True, metavar="FILE.jsonl",
+                        help='requests {"prompt", "max_tokens"} per line, e.g. ../shared/data/workloads/mixed_lengths.jsonl')
+    parser.add_argument("--num-requests", type=int, default=None, help="use the first N requests (default: all)")
+    parser.add_argument("--max-tokens-cap", type=int, default=None, help="cap each request's max_tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="runs to take the median over")
+    parser.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
+    add_engine_arguments(parser)
+    parser.epilog = ("example:\n  qrun bench smollm2-135m --workload ../shared/data/workloads/mixed_lengths.jsonl "
+                     "--num-requests 64\n\nEvery request is greedy with max_tokens exact (EOS ignored), all "
+                     "submitted at once.\nscripts/bench_serving.py runs the same measurement beside peers.")
+
+
+def run_bench(args) -> None:
+    from qrun.cli import engine_args_from
+    from qrun.llm import LLM
+
+    requests = load_workload(args.workload, args.num_requests, args.max_tokens_cap)
+    llm = LLM(args.model, **engine_args_from(args))
+    ids = [llm.tokenizer.encode(r.prompt) for r in requests]
+    result = aggregate([run_qrun(llm, requests, prompt_token_ids=ids) for _ in range(max(1, args.repeats))])
+    print(format_table([result]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))

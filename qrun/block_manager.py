@@ -179,6 +179,15 @@ class BlockManager:
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix no sequence holds (benchmarks start each run cold)."""
+        for block_id in self.evictable:
+            block = self.blocks[block_id]
+            del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+            self.free_ids.append(block_id)
+        self.evictable.clear()
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

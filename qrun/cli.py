@@ -343,6 +343,7 @@ EXTERNAL_COMMANDS = (
     ("convert", "qrun.convert.main", "add_convert_arguments", "run_convert", "quantize a model to mixed-bit weights"),
     ("ppl", "qrun.perplexity", "add_ppl_arguments", "run_ppl", "measure perplexity on a text"),
     ("serve", "qrun.server", "add_serve_arguments", "run_serve", "serve an OpenAI-compatible HTTP API"),
+    ("bench", "qrun.bench", "add_bench_arguments", "run_bench", "measure serving throughput and latency on a workload"),
 )
 
 

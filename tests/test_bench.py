@@ -1,0 +1,41 @@
+"""The serving benchmark's own accounting, on a tiny model (never timed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from qrun import LLM
+from qrun.bench import BenchRequest, run_qrun
+
+
+def test_qrun_computes_no_padding_and_allocates_only_live_blocks(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=4_000_000, max_num_batched_tokens=64)
+    requests = [BenchRequest(str(i), chr(65 + i) * (3 + 17 * i), 4 + 3 * i) for i in range(6)]
+    result = run_qrun(llm, requests)
+    assert result["generated_tokens"] == sum(r.max_tokens for r in requests)
+    assert result["padding_tokens"] == 0
+    assert result["kv_alloc_over_ceil"] == 1.0
+
+
+def test_shared_prefix_is_prefilled_once(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=4_000_000, max_num_batched_tokens=64,
+              max_num_seqs=4)
+    prefix = "a long shared preamble " * 8
+    requests = [BenchRequest(str(i), prefix + f"question {i}?", 3) for i in range(8)]
+    result = run_qrun(llm, requests)
+    assert result["prefill_fraction"] < 0.5
+    again = run_qrun(llm, requests)  # each run starts with a cold cache
+    assert again["prefill_tokens_computed"] == result["prefill_tokens_computed"]
+
+
+def test_qrun_bench_command_prints_a_table(tiny_llama_dir, tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(json.dumps({"prompt": "hello " * i, "max_tokens": 3}) for i in range(1, 5)))
+    out = subprocess.run([sys.executable, "-m", "qrun.cli", "bench", str(tiny_llama_dir), "--workload", str(workload),
+                          "--kv-cache-memory", "4MB", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "tok/s" in out.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["generated_tokens"] == 12
