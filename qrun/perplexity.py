@@ -94,8 +94,12 @@ def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=None,
-             device: str = "auto", dtype: str = "auto", progress=None) -> dict:
-    """{"ppl", "kl", "tokens", "bpw", "files"}; `model`/`ref` are names or LoadedModel objects."""
+             device: str = "auto", dtype: str = "auto", progress=None, ref_cache: dict | None = None) -> dict:
+    """{"ppl", "kl", "tokens", "bpw", "files"}; `model`/`ref` are names or LoadedModel objects.
+
+    `ref_cache` (a dict kept by the caller) holds the reference's log-probabilities per window,
+    so scoring several models against one reference runs the reference once.
+    """
     from qrun.loader import LoadedModel, load_model
 
     if ctx < 2:
@@ -112,7 +116,7 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
             raise EvalError(f"--ref has vocabulary {reference.config.vocab_size}, the model {loaded.config.vocab_size}")
     ctx = min(ctx, loaded.config.max_model_len)
     nll_sum, kl_sum, count = 0.0, 0.0, 0
-    for body in texts:
+    for path, body in zip(files, texts):
         ids = torch.tensor(loaded.tokenizer.encode(body, add_special_tokens=False), dtype=torch.long)
         if max_tokens is not None:
             ids = ids[:max_tokens]
@@ -124,7 +128,13 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
             targets = window[1:].to(logp.device)
             nll_sum += -logp[:-1].gather(1, targets[:, None]).sum().item()
             if reference is not None:
-                ref_logp = window_logprobs(reference.model, window).to(logp.device)[:-1]
+                key = (str(path), start, ctx)
+                if ref_cache is not None and key in ref_cache:
+                    ref_logp = ref_cache[key].to(logp.device)
+                else:
+                    ref_logp = window_logprobs(reference.model, window).to(logp.device)[:-1]
+                    if ref_cache is not None:
+                        ref_cache[key] = ref_logp
                 kl_sum += (ref_logp.exp() * (ref_logp - logp[:-1])).sum().item()
             count += window.shape[0] - 1
             if progress:

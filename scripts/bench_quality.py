@@ -147,7 +147,7 @@ def main() -> int:
 
     def score(label: str, model, bpw: float, extra: dict | None = None) -> None:
         t0 = time.time()
-        r = evaluate(model, texts, ctx=512, max_tokens=args.max_tokens, ref=ref)
+        r = evaluate(model, texts, ctx=512, max_tokens=args.max_tokens, ref=ref, ref_cache=ref_cache)
         row = {"method": label, "bpw": round(bpw, 4), "kl": r["kl"], "ppl": r["ppl"], "tokens": r["tokens"],
                "eval_s": round(time.time() - t0, 1), **(extra or {})}
         results["rows"].append(row)
@@ -155,6 +155,7 @@ def main() -> int:
         if args.results:
             Path(args.results).write_text(json.dumps(results, indent=1))
 
+    ref_cache: dict = {}  # reference log-probs per window: the reference runs once
     score("reference (Q4_1 dequantized)", ref, 32.0)
     measurement = None
     for target in args.targets:
