@@ -39,8 +39,15 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     pair_block = block_tables[:, :width][owned].long()
     pair_seq = torch.arange(batch, device=q.device)[:, None].expand(batch, width)[owned]
     pair_first_pos = (torch.arange(width, device=q.device) * block_size)[None, :].expand(batch, width)[owned]
-    keys = k_cache[pair_block].float().permute(0, 2, 3, 1)  # [P, Hkv, D, bs]
-    values = v_cache[pair_block].float().transpose(1, 2)  # [P, Hkv, bs, D]
+    # Gathering through a head-major view lays the copy out as [P, Hkv, bs, D], so the matmuls
+    # below read it in place (a transposed operand is free) instead of copying it again.
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        heads_first = cache.transpose(1, 2)
+        out = heads_first.new_empty((len(pair_block), *heads_first.shape[1:]))
+        return torch.index_select(heads_first, 0, pair_block, out=out).float()
+
+    keys = gather(k_cache).transpose(-1, -2)  # [P, Hkv, D, bs]
+    values = gather(v_cache)  # [P, Hkv, bs, D]
     queries = q.float().view(batch, num_kv_heads, group, dim)[pair_seq]  # [P, Hkv, G, D]
     scores = torch.matmul(queries, keys) * scale  # [P, Hkv, G, bs]
     positions = pair_first_pos[:, None] + torch.arange(block_size, device=q.device)[None, :]
