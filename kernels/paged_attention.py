@@ -53,8 +53,9 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     positions = pair_first_pos[:, None] + torch.arange(block_size, device=q.device)[None, :]
     past_end = positions >= seq_lens.long()[pair_seq][:, None]
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    block_max = scores.amax(dim=-1)
     seq_max = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
-    seq_max.index_reduce_(0, pair_seq, scores.amax(dim=-1), "amax")
+    seq_max.scatter_reduce_(0, pair_seq[:, None, None].expand_as(block_max), block_max, "amax")
     weights = torch.exp(scores - seq_max[pair_seq][..., None])
     denominator = torch.zeros_like(seq_max).index_add_(0, pair_seq, weights.sum(dim=-1))
     out = torch.zeros(batch, num_kv_heads, group, dim, device=q.device)

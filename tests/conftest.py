@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+import qrun  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 import torch
 
 if not torch.cuda.is_available():
