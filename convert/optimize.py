@@ -23,13 +23,29 @@ def bpw_range(blocks: list[dict]) -> tuple[float, float]:
 
 
 def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
-    """(chosen candidate name per block, achieved bpw)."""
+    """(chosen candidate name per block, achieved bpw); achieved <= target, never above."""
     weights = sum(b["weights"] for b in blocks)
     low, high = bpw_range(blocks)
     if target_bpw < low - 1e-9:
         raise ConvertError(f"--bits {target_bpw} is below the smallest achievable {low:.3f} bpw "
                            "(every block at its cheapest candidate)")
-    budget_bits = min(target_bpw, high) * weights
+    limit = min(target_bpw, high) * weights
+    budget = limit
+    for _ in range(4):  # costs are floored onto the grid; shrink the grid budget if that overshoots
+        picked = _solve(blocks, budget)
+        total = _total_bits(blocks, picked)
+        if total <= limit:
+            return picked, total / weights
+        budget -= (total - limit) + len(blocks) * budget / RESOLUTION
+    picked = [min(b["results"], key=lambda r: r["bits"])["candidate"] for b in blocks]
+    return picked, _total_bits(blocks, picked) / weights
+
+
+def _total_bits(blocks, picked) -> int:
+    return sum(next(r["bits"] for r in b["results"] if r["candidate"] == name) for b, name in zip(blocks, picked))
+
+
+def _solve(blocks: list[dict], budget_bits: float) -> list[str]:
     unit = budget_bits / RESOLUTION
     inf = np.inf
     dp = np.full(RESOLUTION + 1, inf)
@@ -39,7 +55,7 @@ def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
         new = np.full(RESOLUTION + 1, inf)
         arg = np.full(RESOLUTION + 1, -1, dtype=np.int16)
         for c, r in enumerate(b["results"]):
-            cost = int(np.ceil(r["bits"] / unit - 1e-9))
+            cost = int(r["bits"] // unit)
             err = r["error"] * b.get("output_energy", 1.0) if np.isfinite(r["error"]) else 1e30
             if cost > RESOLUTION:
                 continue
@@ -51,15 +67,12 @@ def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
         dp = new
         choices.append(arg)
     if not np.isfinite(dp).any():
-        raise ConvertError(f"no combination of candidates fits {target_bpw} bpw")
-    end = int(np.nanargmin(np.where(np.isfinite(dp), dp, np.nan)))
+        return [min(b["results"], key=lambda r: r["bits"])["candidate"] for b in blocks]
+    pos = int(np.nanargmin(np.where(np.isfinite(dp), dp, np.nan)))
     picked = []
-    pos = end
     for b, arg in zip(reversed(blocks), reversed(choices)):
-        c = int(arg[pos])
-        r = b["results"][c]
+        r = b["results"][int(arg[pos])]
         picked.append(r["candidate"])
-        pos -= int(np.ceil(r["bits"] / unit - 1e-9))
+        pos -= int(r["bits"] // unit)
     picked.reverse()
-    total = sum(next(r["bits"] for r in b["results"] if r["candidate"] == name) for b, name in zip(blocks, picked))
-    return picked, total / weights
+    return picked

@@ -114,7 +114,8 @@ def speed(quant_dir: str, batches=(1, 8, 32), steps: int = 12) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", type=float, nargs="+", default=[2.5, 3.0, 4.0, 5.0])
+    parser.add_argument("--targets", type=float, nargs="*", default=[2.5, 3.0, 4.0, 5.0])
+    parser.add_argument("--measurement", default=None, help="reuse this measurement.json (skips measuring)")
     parser.add_argument("--preset", default="default")
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--work", default="/tmp/qrun-bench", help="folder for converted models")
@@ -157,7 +158,7 @@ def main() -> int:
 
     ref_cache: dict = {}  # reference log-probs per window: the reference runs once
     score("reference (Q4_1 dequantized)", ref, 32.0)
-    measurement = None
+    measurement = Path(args.measurement) if args.measurement else None
     for target in args.targets:
         out = work / f"mixed-{target}-{args.preset}"
         t0 = time.time()
@@ -175,7 +176,8 @@ def main() -> int:
             mfile = work / f"uniform-{bits}.measurement.json"
             bpw = uniform_measurement(Path(measurement), cand, mfile)
             out = work / f"uniform-{bits}"
-            summary = convert(MODEL, out, bits=bpw + 1e-6, preset=args.preset, force=True, measurement=mfile,
+            # + 0.005: the optimizer rounds each block's bits up to its budget grid
+            summary = convert(MODEL, out, bits=bpw + 0.005, preset=args.preset, force=True, measurement=mfile,
                               quiet=True)
             score(f"uniform GPTQ {cand}", load_model(str(out), dtype="float32", device="cpu"), summary["achieved_bpw"])
             model, rtn_bpw = fake_quant_rtn(MODEL, bits)
@@ -184,7 +186,7 @@ def main() -> int:
             if not args.mixed_at_uniform:
                 continue
             out = work / f"mixed-at-uniform-{bits}"
-            summary = convert(MODEL, out, bits=bpw + 1e-6, preset=args.preset, force=True, measurement=measurement,
+            summary = convert(MODEL, out, bits=bpw + 0.005, preset=args.preset, force=True, measurement=measurement,
                               quiet=True)
             score(f"qrun mixed GPTQ @{bpw:.3f}", load_model(str(out), dtype="float32", device="cpu"),
                   summary["achieved_bpw"])

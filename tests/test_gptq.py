@@ -123,3 +123,20 @@ def test_smollm2_q4_1_weights_are_reproduced_exactly_at_about_five_bits(smollm2_
         result = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True, act_order="group"))
         assert torch.equal(result.dequantized(), w), name
         assert result.layout.bpw() < 5.1
+
+
+def test_optimizer_meets_the_budget_and_prefers_low_error():
+    from qrun.convert.optimize import optimize
+
+    def block(name, errors):
+        return {"name": name, "weights": 1000,
+                "results": [{"candidate": f"{b}b", "bits": b * 1000, "error": e} for b, e in errors]}
+
+    sensitive = block("a", [(2, 1.0), (3, 0.3), (4, 0.1), (5, 0.0)])
+    robust = block("b", [(2, 0.02), (3, 0.01), (4, 0.005), (5, 0.0)])
+    picked, bpw = optimize([sensitive, robust], 3.5)
+    assert picked == ["5b", "2b"] and bpw == 3.5  # bits go where they lower the error most
+    picked, bpw = optimize([sensitive, robust], 2.0)  # exactly the cheapest plan
+    assert picked == ["2b", "2b"] and bpw == 2.0
+    with pytest.raises(Exception, match="below the smallest"):
+        optimize([sensitive, robust], 1.9)
