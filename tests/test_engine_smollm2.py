@@ -8,7 +8,7 @@ from qrun import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 32
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 LLM_TOKENS: dict[str, list[int]] = {}  # prompt -> its token ids, filled by the sequential run
 
 
@@ -53,7 +53,40 @@ def test_batched_greedy_equals_sequential_on_smollm2(smollm2_gguf, requests, seq
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_generate_answers_a_factual_prompt(smollm2_gguf):
-    llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory=100_000_000)
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0), progress=False)[0]
+@pytest.fixture(scope="module")
+def smol_llm(smollm2_gguf):
+    return LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory=100_000_000)
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smollm2_gguf):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+def test_generate_answers_a_factual_prompt(smol_llm):
+    out = smol_llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
+                            progress=False)[0]
     assert "Paris" in out.text
+
+
+@pytest.mark.parametrize("prompt", [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+])
+def test_32_greedy_tokens_equal_transformers(smol_llm, hf_smol, prompt):
+    import torch
+    import transformers
+
+    ours = smol_llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), progress=False)[0]
+    ids = torch.tensor([ours.prompt_token_ids])
+    with torch.no_grad():
+        ref = hf_smol.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
+                                 do_sample=False, generation_config=transformers.GenerationConfig(eos_token_id=None))
+    assert ours.token_ids == ref[0, ids.shape[1]:].tolist()
+
