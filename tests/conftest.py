@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import qrun  # noqa: F401  (sets the OpenMP wait policy before torch loads)
-import torch
-
-if not torch.cuda.is_available():
+if not os.path.exists("/dev/nvidiactl"):
     # Without a GPU the Triton kernels run in the interpreter. Triton reads this when first
-    # imported, so it is set before any test module imports qrun.kernels.
+    # imported, so it is set before anything imports qrun (which imports triton).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import qrun  # noqa: E402,F401  (sets the OpenMP wait policy before torch loads)
+import torch  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CHAT_TEMPLATE = (
