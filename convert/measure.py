@@ -49,6 +49,7 @@ CANDIDATES_FAST = [
     _c(128, [(2, 1.0)]),
     _c(128, [(3, 0.5), (2, 0.5)]),
     _c(128, [(3, 1.0)]),
+    _c(128, [(4, 1.0)]),
     _c(32, [(3, 1.0)], asym=True, act_order="group"),
     _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
     _c(32, [(4, 1.0)], asym=True, act_order="group"),

@@ -57,12 +57,12 @@ def fake_quant_rtn(ref_name: str, bits: int) -> tuple[object, float]:
     return loaded, total_bits / total_weights
 
 
-def uniform_measurement(measurement: Path, candidate: str, out: Path) -> float:
-    """A measurement file offering only `candidate`; returns the bpw it implies."""
+def uniform_measurement(measurement: Path, candidate: str, out: Path) -> float | None:
+    """A measurement file offering only `candidate`; returns the bpw it implies (None: not measured)."""
     data = json.loads(measurement.read_text())
     data["candidates"] = [c for c in data["candidates"] if c["name"] == candidate]
     if not data["candidates"]:
-        raise SystemExit(f"candidate {candidate} not in {measurement}")
+        return None
     bits = weights = 0
     for block in data["blocks"]:
         block["results"] = [r for r in block["results"] if r["candidate"] == candidate]
@@ -175,6 +175,11 @@ def main() -> int:
             cand = f"{bits}b:g128"
             mfile = work / f"uniform-{bits}.measurement.json"
             bpw = uniform_measurement(Path(measurement), cand, mfile)
+            if bpw is None:
+                print(f"uniform GPTQ {cand}: not a candidate of this preset's measurement, skipped", flush=True)
+                model, rtn_bpw = fake_quant_rtn(MODEL, bits)
+                score(f"RTN {bits}b g128(64)", model, rtn_bpw)
+                continue
             out = work / f"uniform-{bits}"
             # + 0.005: the optimizer rounds each block's bits up to its budget grid
             summary = convert(MODEL, out, bits=bpw + 0.005, preset=args.preset, force=True, measurement=mfile,
