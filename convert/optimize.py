@@ -12,6 +12,7 @@ import numpy as np
 
 from qrun.convert.job import ConvertError
 
+ERROR_CAP = 0.25
 RESOLUTION = 100_000  # budget units; per-block rounding loses at most blocks/RESOLUTION of the budget
 
 
@@ -30,6 +31,12 @@ def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
         raise ConvertError(f"--bits {target_bpw} is below the smallest achievable {low:.3f} bpw "
                            "(every block at its cheapest candidate)")
     limit = min(target_bpw, high) * weights
+    # A candidate whose block output is mostly noise (relative error above ERROR_CAP) wrecks
+    # the model whatever the weighted sum says; use such candidates only when the budget
+    # cannot be met without them.
+    capped = [_capped(b) for b in blocks]
+    if sum(min(r["bits"] for r in b["results"]) for b in capped) <= limit:
+        blocks = capped
     budget = limit
     for _ in range(4):  # costs are floored onto the grid; shrink the grid budget if that overshoots
         picked = _solve(blocks, budget)
@@ -39,6 +46,11 @@ def optimize(blocks: list[dict], target_bpw: float) -> tuple[list[str], float]:
         budget -= (total - limit) + len(blocks) * budget / RESOLUTION
     picked = [min(b["results"], key=lambda r: r["bits"])["candidate"] for b in blocks]
     return picked, _total_bits(blocks, picked) / weights
+
+
+def _capped(block: dict) -> dict:
+    keep = [r for r in block["results"] if r["error"] <= ERROR_CAP]
+    return {**block, "results": keep} if keep else block
 
 
 def _total_bits(blocks, picked) -> int:
