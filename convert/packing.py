@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qrun.kernels.dequant_matmul import unpack_rows
+
 BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
 CHUNK = 32  # rows packed together: 32 values of b bits fill exactly b words
 
@@ -132,23 +134,6 @@ def pack_run(q: torch.Tensor, bits: int) -> torch.Tensor:
     return _to_int32(words.reshape(rows // CHUNK * bits, n))
 
 
-def unpack_run(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of pack_run: int32 [rows*bits/32, N] -> int64 [rows, N]."""
-    total, n = words.shape
-    chunks = total // bits
-    w64 = words.to(torch.int64).reshape(chunks, bits, n) & 0xFFFFFFFF
-    mask = (1 << bits) - 1
-    out = torch.empty(chunks, CHUNK, n, dtype=torch.int64, device=words.device)
-    for j in range(CHUNK):
-        offset = j * bits
-        w, s = divmod(offset, 32)
-        value = w64[:, w] >> s
-        if s + bits > 32:
-            value = value | (w64[:, w + 1] << (32 - s))
-        out[:, j] = value & mask
-    return out.reshape(chunks * CHUNK, n)
-
-
 def pack_matrix(q: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
     """q [K, N] unsigned integers in permuted row order -> qweight int32 [R, N]."""
     parts, row = [], 0
@@ -164,7 +149,7 @@ def unpack_matrix(qweight: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
     parts, row = [], 0
     for bits, groups in layout.runs():
         words = groups * layout.group_size * bits // CHUNK
-        parts.append(unpack_run(qweight[row:row + words], bits))
+        parts.append(unpack_rows(qweight[row:row + words], bits))
         row += words
     return torch.cat(parts, 0)
 

@@ -12,7 +12,7 @@ import torch
 CHUNK = 32
 
 
-def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [chunks*bits, N] -> int64 [chunks*32, N]: row j of a 32-row chunk sits at bit j*bits."""
     total, n = words.shape
     chunks = total // bits
@@ -46,7 +46,7 @@ def dequantize_ref(qweight: torch.Tensor, qgroups: torch.Tensor, scales: torch.T
         while end < len(groups) and groups[end][0] == bits:
             end += 1
         words = (end - g) * group_size * bits // CHUNK
-        q = _unpack_rows(qweight[row:row + words], bits).float()
+        q = unpack_rows(qweight[row:row + words], bits).float()
         s = scales[g:end].float().repeat_interleave(group_size, 0)
         if mins is not None:
             w = q * s + mins[g:end].float().repeat_interleave(group_size, 0)

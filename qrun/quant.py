@@ -1,7 +1,7 @@
 """Quantized linear layers: the module the loader swaps in, and its execution paths.
 
 Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`):
-- CUDA: the `dequant_matmul` op of `qrun.kernels` (Triton when registered, else the reference);
+- the Triton backend (CUDA, or QRUN_KERNELS=triton): the `dequant_matmul` op of `qrun.kernels`;
 - CPU, `QRUN_QUANT_CPU=fast` (default): a prepared torch path, built once per module:
   groups of <= 4 bits run through `aten._weight_int4pack_mm_for_cpu` (every width up to 4 is
   re-expressed exactly on the 4-bit grid: w = (q - 8) * scale + zero), groups of 5..8 bits (a
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from qrun.convert.packing import MatrixLayout
+from qrun.kernels import backend, ops_for
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequantize_ref
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -66,9 +67,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x.device.type == "cuda":
-            from qrun.kernels import ops_for
-
+        if backend(x.device) == "triton":
             y = ops_for(x.device).dequant_matmul(x2, self.qweight, self.qgroups, self.scales, self.mins,
                                                   self.perm, self.group_size, self.bias)
         elif cpu_mode() == "ref":
@@ -95,13 +94,13 @@ class QuantLinear(nn.Module):
         dense_hi = w[:k_hi].T.contiguous().to(torch.bfloat16) if k_hi else None
         packed = scale_zero = None
         if lo_is_int4:
-            from qrun.kernels.dequant_matmul import _unpack_rows
+            from qrun.kernels.dequant_matmul import unpack_rows
 
             q_parts, sz = [], []
             groups = self.qgroups.tolist()
             for gi in range(hi_groups, len(groups)):
                 b, row = groups[gi]
-                q_parts.append(_unpack_rows(self.qweight[row:row + g * b // 32], b))
+                q_parts.append(unpack_rows(self.qweight[row:row + g * b // 32], b))
                 s = self.scales[gi].float()
                 zero = self.mins[gi].float() + 8 * s if self.mins is not None else (8 - (1 << (b - 1))) * s
                 sz.append(torch.stack([s, zero], -1))

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from qrun.convert.packing import (BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix,
-                                  pack_run, unpack_matrix, unpack_run)
-from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequantize_ref
+                                  pack_run, unpack_matrix)
+from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequantize_ref, unpack_rows
 
 
 @settings(max_examples=60, deadline=None)
@@ -16,7 +16,7 @@ def test_pack_unpack_round_trips_for_every_width(bits, chunks, n, seed):
     q = torch.randint(0, 1 << bits, (chunks * 32, n), generator=g)
     words = pack_run(q, bits)
     assert words.dtype == torch.int32 and words.shape == (chunks * bits, n)
-    assert torch.equal(unpack_run(words, bits), q)
+    assert torch.equal(unpack_rows(words, bits), q)
 
 
 @settings(max_examples=40, deadline=None)
