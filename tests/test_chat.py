@@ -11,7 +11,7 @@ import time
 import pytest
 from rich.console import Console
 
-from qrun.chat import ChatApp, ChatSession, parse_settings, stream_outputs
+from qrun.chat import ChatApp, ChatSession, parse_settings
 from qrun.errors import QrunError
 from qrun.llm import LLM
 from qrun.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ def tiny_llm(tiny_llama_dir) -> LLM:
 def ask(session: ChatSession, text: str):
     session.messages.append({"role": "user", "content": text})
     ids, _ = session.fit()
-    *_, output = stream_outputs(session.llm, ids, session.params)
+    *_, output = session.llm.stream_outputs(ids, session.params)
     session.messages.append({"role": "assistant", "content": output.text})
     return output
 
