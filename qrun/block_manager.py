@@ -151,9 +151,8 @@ class BlockManager:
         """Name the blocks `seq` has just filled so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        tokens = seq.token_ids
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
-            chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
+            chunk = seq.tokens_between(i * self.block_size, (i + 1) * self.block_size)
             digest = block_hash(seq.block_hashes[-1] if seq.block_hashes else b"", chunk)
             seq.block_hashes.append(digest)
             block = self.blocks[seq.block_table[i]]

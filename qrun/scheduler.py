@@ -52,7 +52,7 @@ class Scheduler:
         blocks = self.block_manager
 
         for seq in list(self.running):
-            if seq not in self.running:  # preempted by an earlier sequence of this loop
+            if seq.status is not Status.RUNNING:  # preempted by an earlier sequence of this loop
                 continue
             if budget == 0:
                 break
