@@ -101,7 +101,6 @@ class LayerRunner:
         """Run the layer over all rows. Returns (next Rows, sub-block inputs of the first
         `keep_inputs` rows: {"attn": [k, L, H], "mlp": [k, L, H]})."""
         xs, residuals, kept_attn, kept_mlp = [], [], [], []
-        energy = [0.0, 0.0, 0]
         for start in range(0, rows.x.shape[0], self.chunk_rows):
             x = rows.x[start:start + self.chunk_rows]
             res = None if rows.residual is None else rows.residual[start:start + self.chunk_rows]
@@ -116,15 +115,9 @@ class LayerRunner:
             if start < keep_inputs:
                 kept_attn.append(h[: keep_inputs - start])
                 kept_mlp.append(h2[: keep_inputs - start])
-                # Mean squared norm of each block's output per token: a relative error in the
-                # block perturbs the residual stream (which carries it to the logits) by that much.
-                energy[0] += float(a[: keep_inputs - start].pow(2).sum(-1).mean())
-                energy[1] += float(m[: keep_inputs - start].pow(2).sum(-1).mean())
-                energy[2] += 1
             xs.append(m)
             residuals.append(res)
-        kept = {"attn": torch.cat(kept_attn), "mlp": torch.cat(kept_mlp),
-                "energy": {"attn": energy[0] / max(energy[2], 1), "mlp": energy[1] / max(energy[2], 1)}} if keep_inputs else {}
+        kept = {"attn": torch.cat(kept_attn), "mlp": torch.cat(kept_mlp)} if keep_inputs else {}
         return Rows(torch.cat(xs), torch.cat(residuals)), kept
 
     def block_output(self, layer: DecoderLayer, block: str, h: torch.Tensor) -> torch.Tensor:

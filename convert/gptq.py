@@ -14,7 +14,6 @@ import torch
 
 from qrun.convert.packing import BIT_WIDTHS, MatrixLayout, pack_matrix
 
-SNAP_GROUP_SIZES = (256, 128, 64, 32)
 
 
 class QuantizationError(RuntimeError):
@@ -63,13 +62,11 @@ class Candidate:
                    bool(d["asym"]), d.get("act_order", True))
 
     def group_size_for(self, k: int) -> int:
-        """The candidate's group size, snapped down to one that divides K."""
-        for g in SNAP_GROUP_SIZES:
-            if g <= self.group_size and k % g == 0:
-                return g
-        if k % 32 == 0:
-            return 32
-        raise QuantizationError(f"input size {k} is not a multiple of 32; this format cannot quantize it")
+        """The candidate's group size, snapped down to the largest multiple of 32 that divides K
+        (K = 576: 128 -> 96, 256 -> 192)."""
+        if k % 32:
+            raise QuantizationError(f"input size {k} is not a multiple of 32; this format cannot quantize it")
+        return next(g for g in range(self.group_size - self.group_size % 32, 0, -32) if k % g == 0)
 
     def layout(self, k: int, n: int) -> MatrixLayout:
         g = self.group_size_for(k)
@@ -81,7 +78,7 @@ class Candidate:
             count = round(cumulative * groups) - len(widths)
             widths.extend([b] * max(count, 0))
         widths = widths[:groups] + [self.bits[-1][0]] * (groups - len(widths))
-        return MatrixLayout(k, n, g, tuple(widths), self.asym)
+        return MatrixLayout(k, n, g, tuple(widths), self.asym, permuted=self.act_order is not False)
 
 
 @dataclass
@@ -112,8 +109,9 @@ class QuantizedMatrix:
             "qweight": pack_matrix(self.q, self.layout),
             "qgroups": self.layout.qgroups(),
             "scales": self.scales.contiguous(),
-            "perm": self.perm.to(self.layout.perm_dtype),
         }
+        if self.layout.permuted:
+            out["perm"] = self.perm.to(self.layout.perm_dtype)
         if self.mins is not None:
             out["mins"] = self.mins.contiguous()
         return out
@@ -244,8 +242,12 @@ def gptq_quantize_many(w: torch.Tensor, h: torch.Tensor, cands: list[Candidate],
     for i, (c, lay) in enumerate(zip(cands, layouts)):
         batches.setdefault((lay.group_size, c.asym, c.act_order), []).append(i)
     results: list[QuantizedMatrix | None] = [None] * len(cands)
+    factors: dict[tuple, tuple] = {}  # one Cholesky per column order, shared by the sweeps using it
     for (g, asym, act_order), members in batches.items():
-        outs = _gptq_sweep(w, h, [layouts[i] for i in members], g, asym, act_order, damp, block_size, clip_search)
+        order_key = (act_order, g if act_order == "group" else None)
+        if order_key not in factors:
+            factors[order_key] = _ordered_factor(w, h, g, act_order, damp)
+        outs = _gptq_sweep(w, factors[order_key], [layouts[i] for i in members], g, asym, block_size, clip_search)
         for i, out in zip(members, outs):
             results[i] = out
     return results
@@ -279,9 +281,8 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     raise QuantizationError("the calibration Hessian is not positive definite even with heavy damping")
 
 
-def _gptq_sweep(w, h, layouts, g, asym, act_order, damp, block_size, clip_search) -> list[QuantizedMatrix]:
-    n, k = w.shape
-    c = len(layouts)
+def _ordered_factor(w, h, g, act_order, damp) -> tuple:
+    """(w with dead inputs zeroed, column order, upper Cholesky factor of the reordered H^-1, its diag H)."""
     h = h.float().clone()
     w = w.clone()
     dead = torch.diag(h) == 0
@@ -289,8 +290,13 @@ def _gptq_sweep(w, h, layouts, g, asym, act_order, damp, block_size, clip_search
     w[:, dead] = 0
     perm = act_order_permutation(torch.diag(h), g, act_order)
     h = h[perm][:, perm]
-    hinv = _inverse_factor(h, damp)
-    hdiag = torch.diag(h)
+    return w, perm, _inverse_factor(h, damp), torch.diag(h)
+
+
+def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[QuantizedMatrix]:
+    w, perm, hinv, hdiag = factor
+    n, k = w.shape
+    c = len(layouts)
     groups = k // g
     row_bits = torch.tensor([lay.group_bits for lay in layouts], dtype=torch.float32)  # [c, groups]
     W = w[:, perm].T.contiguous().repeat(1, c)  # [K, c*N]: row = one input column of every copy

@@ -30,6 +30,7 @@ from qrun.errors import ModelLoadError
 from qrun.kernels.rotary import rotary_cos_sin
 
 MAX_BPW = 8.0
+MEASUREMENT_VERSION = 2
 
 
 class Progress:
@@ -129,6 +130,9 @@ def _load_measurement(path: Path, config) -> tuple[list[dict], list[Candidate]]:
         raise ConvertError(f"measurement file {path} does not exist") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ConvertError(f"measurement file {path} is malformed ({err})") from None
+    if data.get("version") != MEASUREMENT_VERSION:
+        raise ConvertError(f"measurement file {path} is version {data.get('version')}; this qrun reads version "
+                           f"{MEASUREMENT_VERSION} (it scores candidates by KL): measure again without --measurement")
     if len(blocks) != 2 * config.num_layers:
         raise ConvertError(f"measurement file {path} has {len(blocks)} blocks; this model has {2 * config.num_layers}")
     return blocks, cands
@@ -210,16 +214,18 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
         start_rows = Rows(embed[tokens], None)
 
         if measured_blocks is None:
-            measured_blocks = run_measurement(job, config, runner, start_rows, chosen_preset, src_dir, progress)
-        measurement_doc = {"version": 1, "source": str(src), "calibration": calib_summary, "preset": preset,
+            measured_blocks = run_measurement(job, config, runner, start_rows, chosen_preset, src_dir, other,
+                                              progress)
+        measurement_doc = {"version": MEASUREMENT_VERSION, "source": str(src), "calibration": calib_summary, "preset": preset,
                            "candidates": [c.to_json() for c in candidates], "blocks": measured_blocks}
 
         picked, achieved = optimize(measured_blocks, bits)
         if achieved < bits - 0.01 and bits <= bpw_range(measured_blocks)[1]:
             progress.log(f"note: achieved {achieved:.3f} bpw, more than 0.01 under the target {bits}")
         choice = {b["name"]: by_name[name] for b, name in zip(measured_blocks, picked)}
-        measured_err = {b["name"]: next(r["error"] for r in b["results"] if r["candidate"] == name)
-                        for b, name in zip(measured_blocks, picked)}
+        chosen = [next(r for r in b["results"] if r["candidate"] == name) for b, name in zip(measured_blocks, picked)]
+        measured_err = {b["name"]: r["error"] for b, r in zip(measured_blocks, chosen)}
+        predicted_kl = sum(r["kl"] for r in chosen)
 
         report = run_quantize(job, config, runner, start_rows, chosen_preset, src_dir, choice, measured_err,
                               final_dir, progress)
@@ -242,7 +248,8 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
         total_weights = sum(e[b]["weights"] for e in report for b in ("attn", "mlp"))
         quant_config = {
             "quant_method": "qrun-exl", "version": 1, "target_bpw": bits,
-            "achieved_bpw": round(total_bits / total_weights, 5), "head_bits": head_bits,
+            "achieved_bpw": round(total_bits / total_weights, 5), "predicted_kl": round(predicted_kl, 5),
+            "head_bits": head_bits,
             "head_bpw": round(head_layout.bpw(), 5) if head_layout else None,
             "calibration": calib_summary, "preset": preset, "file_bytes": file_bytes, "modules": modules,
         }
@@ -253,6 +260,7 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
     wall = time.time() - start
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = {"out": str(out), "target_bpw": bits, "achieved_bpw": quant_config["achieved_bpw"],
+               "predicted_kl": quant_config["predicted_kl"],
                "wall_s": round(wall, 1), "peak_rss_bytes": peak_rss, "report": report, "resumed": job.resumed}
     if not quiet:
         _print_table(summary)
@@ -285,7 +293,8 @@ def _print_table(summary: dict) -> None:
     if not console.is_terminal:
         console = Console(stderr=True, width=160)
     console.print(table)
-    console.print(f"target {summary['target_bpw']} bpw, achieved {summary['achieved_bpw']:.4f} bpw; "
+    console.print(f"target {summary['target_bpw']} bpw, achieved {summary['achieved_bpw']:.4f} bpw, "
+                  f"predicted KL {summary['predicted_kl']:.4f} nats/token (calibration rows); "
                   f"wall {summary['wall_s']:.1f} s; peak RSS {summary['peak_rss_bytes'] / 2**30:.2f} GiB")
 
 

@@ -1,12 +1,14 @@
-"""Measurement pass: every candidate's error on every block (attention, MLP) of every layer.
+"""Measurement pass: every candidate's cost on every block (attention, MLP) of every layer.
 
 Inputs reach layer i through the full-precision layers before it. For each block and each
-candidate the block's matrices are quantized with GPTQ and the block's output on calibration
-rows is compared with the full-precision output (relative squared error).
+candidate the block's matrices are quantized with GPTQ and the block's output on the score
+rows is compared with the full-precision output: its relative squared error, and the KL it
+costs at the logits (second order, through the gradients of convert/sensitivity.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -19,46 +21,43 @@ from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, buil
 from qrun.convert.gptq import Candidate, QuantizedMatrix, gptq_quantize_many
 from qrun.convert.job import atomic_write_text, load_layer_tensors
 from qrun.convert.packing import MatrixLayout
+from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
 
 
 def _c(g, bits, asym=False, act_order=True):
     return Candidate(g, tuple(bits), asym, act_order)
 
 
-# EXL2-style: widest codes on the most important input groups, in descending runs. The g32
-# asymmetric candidates with group act-order keep a Q4_1 block grid intact (4b of them reproduce
-# such weights exactly at ~5 bpw) while moving bits between whole blocks.
-CANDIDATES_DEFAULT = [
-    _c(128, [(2, 1.0)]),
+# EXL2-style: widest codes on the most important input groups, in descending runs. "g128" is
+# snapped per matrix to the largest multiple of 32 dividing K (96 for K = 576). 4-bit group-32
+# asymmetric in the original column order reproduces a Q4_1 source exactly at ~5.0 bpw; the
+# group-act-order g32 mixes keep that block grid while moving bits between whole blocks.
+_SYM_LOW = [_c(128, [(2, 1.0)]), _c(128, [(3, 0.5), (2, 0.5)]), _c(128, [(3, 1.0)]),
+            _c(128, [(4, 0.5), (3, 0.5)]), _c(128, [(4, 1.0)])]
+_SYM_HIGH = [_c(128, [(6, 1.0)]), _c(128, [(8, 1.0)])]
+CANDIDATES_FAST = _SYM_LOW + _SYM_HIGH + [
+    _c(32, [(4, 1.0)], asym=True, act_order=False),
+    _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
+]
+CANDIDATES_DEFAULT = _SYM_LOW + _SYM_HIGH + [
     _c(128, [(3, 0.25), (2, 0.75)]),
-    _c(128, [(3, 0.5), (2, 0.5)]),
-    _c(128, [(4, 0.25), (3, 0.25), (2, 0.5)]),
-    _c(128, [(3, 1.0)]),
     _c(128, [(4, 0.25), (3, 0.75)]),
-    _c(128, [(4, 1.0)]),
-    _c(32, [(3, 1.0)], asym=True, act_order="group"),
+    _c(128, [(4, 0.75), (3, 0.25)]),
+    _c(128, [(5, 0.5), (4, 0.5)]),
+    _c(128, [(5, 1.0)]),
+    _c(128, [(2, 1.0)], asym=True),
+    _c(128, [(3, 1.0)], asym=True),
+    _c(128, [(4, 1.0)], asym=True),
+    _c(32, [(4, 1.0)], asym=True, act_order=False),
     _c(32, [(4, 0.25), (3, 0.75)], asym=True, act_order="group"),
     _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
     _c(32, [(4, 0.75), (3, 0.25)], asym=True, act_order="group"),
-    _c(32, [(4, 1.0)], asym=True, act_order="group"),
     _c(32, [(5, 0.25), (4, 0.75)], asym=True, act_order="group"),
-    _c(128, [(6, 1.0)]),
-    _c(128, [(8, 1.0)]),
-]
-CANDIDATES_FAST = [
-    _c(128, [(2, 1.0)]),
-    _c(128, [(3, 0.5), (2, 0.5)]),
-    _c(128, [(3, 1.0)]),
-    _c(128, [(4, 1.0)]),
-    _c(32, [(3, 1.0)], asym=True, act_order="group"),
-    _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
-    _c(32, [(4, 1.0)], asym=True, act_order="group"),
-    _c(128, [(6, 1.0)]),
-    _c(128, [(8, 1.0)]),
 ]
 CANDIDATES_BEST = CANDIDATES_DEFAULT + [
-    _c(128, [(5, 1.0)]),
     _c(128, [(8, 0.1), (4, 0.9)]),
+    _c(128, [(3, 0.75), (2, 0.25)]),
+    _c(64, [(2, 1.0)], asym=True),
     _c(64, [(3, 1.0)], asym=True),
     _c(32, [(4, 0.125), (3, 0.875)], asym=True, act_order="group"),
     _c(32, [(4, 0.375), (3, 0.625)], asym=True, act_order="group"),
@@ -87,7 +86,7 @@ def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]
     """A GPTQ result for concatenated outputs -> one result per original matrix."""
     out, start = [], 0
     for n in sizes:
-        layout = MatrixLayout(qm.layout.in_features, n, qm.layout.group_size, qm.layout.group_bits, qm.layout.asym)
+        layout = dataclasses.replace(qm.layout, out_features=n)
         out.append(QuantizedMatrix(layout, qm.q[:, start:start + n].contiguous(),
                                    qm.scales[:, start:start + n].contiguous(),
                                    None if qm.mins is None else qm.mins[:, start:start + n].contiguous(),
@@ -149,7 +148,8 @@ class swapped_weights:
             self.layer.get_submodule(name).weight.data = w
 
 
-def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config, on_candidate=None):
+def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config, grads: dict[str, torch.Tensor],
+                  on_candidate=None):
     """Measure every candidate on both blocks of one layer; returns (results, next rows)."""
     hessians = new_hessians(config)
     nxt, kept = runner.run(layer, rows, hessians, keep_inputs=preset.score_rows)
@@ -161,19 +161,25 @@ def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config
         all_quantized = quantize_block_many(layer, block, preset.candidates, h, preset.clip_search)
         for cand, quantized in zip(preset.candidates, all_quantized):
             with swapped_weights(layer, quantized):
-                err = relative_error(runner.block_output(layer, block, kept[block]), ref)
-            entries.append({"candidate": cand.name, "bits": block_bits(config, block, cand), "error": err})
+                out = runner.block_output(layer, block, kept[block])
+            entries.append({"candidate": cand.name, "bits": block_bits(config, block, cand),
+                            "error": relative_error(out, ref), "kl": predicted_kl(out - ref, grads[block])})
             if on_candidate:
                 on_candidate()
         results[block] = entries
-    results["energy"] = kept["energy"]
     return results, nxt
 
 
-def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset, src_dir: Path,
+def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset, src_dir: Path, other: dict,
                     progress) -> list[dict]:
-    """The measurement stage, resumable per layer. Returns the per-block results."""
+    """The measurement stage (after the sensitivity pass), resumable per layer. Returns the per-block results."""
     mdir = job.sub("measure")
+    if not job.get("sensitivity_done"):
+        task = progress.stage("sensitivity", 2 * config.num_layers)
+        score = Rows(rows.x[:preset.score_rows], None if rows.residual is None else rows.residual[:preset.score_rows])
+        block_gradients(config, runner, score, other, src_dir, mdir, lambda: progress.advance(task))
+        progress.finish(task)
+        job.set("sensitivity_done", True)
     done = job.get("measure_done", -1)
     if done >= 0:
         rows = load_rows(mdir / f"state_{done:04d}.pt")
@@ -183,7 +189,8 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         progress.describe(task, f"measure layer {i + 1}/{config.num_layers}")
         layer = build_layer(config, load_layer_tensors(src_dir, i))
         t0 = time.time()
-        results, rows = measure_layer(layer, runner, rows, preset, config, lambda: progress.advance(task))
+        results, rows = measure_layer(layer, runner, rows, preset, config, load_block_gradients(mdir, i),
+                                      lambda: progress.advance(task))
         atomic_write_text(mdir / f"layer_{i:04d}.json", json.dumps({"time": time.time() - t0, **results}))
         save_rows(rows, mdir / f"state_{i:04d}.pt")  # named by layer: a kill never mismatches
         job.set("measure_done", i)
@@ -195,6 +202,5 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         data = json.loads((mdir / f"layer_{i:04d}.json").read_text())
         for block in ("attn", "mlp"):
             blocks.append({"name": f"layers.{i}.{block}", "layer": i, "block": block,
-                           "weights": block_weights(config, block), "results": data[block],
-                           "output_energy": data.get("energy", {}).get(block, 1.0)})
+                           "weights": block_weights(config, block), "results": data[block]})
     return blocks

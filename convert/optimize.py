@@ -1,9 +1,9 @@
 """Optimizer: one candidate per block so the total bits meet the target bpw, minimising error.
 
 A multiple-choice knapsack solved by dynamic programming over a finely discretised bit budget:
-minimise the sum over blocks of measured relative output error times the block's output
-energy (`output_energy`, mean squared norm per token), i.e. the absolute perturbation each
-block adds to the residual stream, subject to sum(bits) <= target * weights. Costs are exact storage bits (all tensors counted).
+minimise the sum over blocks of the measured KL each block's quantization costs at the logits
+(`kl`, see convert/sensitivity.py; to second order these add up), subject to
+sum(bits) <= target * weights. Costs are exact storage bits (all tensors counted).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _solve(blocks: list[dict], budget_bits: float) -> list[str]:
         arg = np.full(RESOLUTION + 1, -1, dtype=np.int16)
         for c, r in enumerate(b["results"]):
             cost = int(r["bits"] // unit)
-            err = r["error"] * b.get("output_energy", 1.0) if np.isfinite(r["error"]) else 1e30
+            err = r["kl"] if np.isfinite(r["kl"]) else 1e30
             if cost > RESOLUTION:
                 continue
             cand = np.full(RESOLUTION + 1, inf)

@@ -9,7 +9,8 @@ A quantized linear of shape [N out, K in] stores, in *permuted* input order (act
   may straddle two words).
 - qgroups int32 [n_groups, 2]: (bits, first qweight row) of each group.
 - scales float16 [n_groups, N]; mins float16 [n_groups, N] when asymmetric.
-- perm int16 (int32 when K > 32767) [K]: permuted row i is original input column perm[i].
+- perm int16 (int32 when K > 32767) [K]: permuted row i is original input column perm[i];
+  absent when the rows are in the original order (no act-order), which saves 16/N bpw.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class MatrixLayout:
     group_size: int
     group_bits: tuple[int, ...]  # one entry per group, in permuted order
     asym: bool
+    permuted: bool = True  # False: rows in original input order, no perm tensor
 
     def __post_init__(self) -> None:
         if self.group_size % CHUNK or self.group_size <= 0:
@@ -68,14 +70,16 @@ class MatrixLayout:
         return [(b, n) for b, n in out]
 
     def to_json(self) -> dict:
-        return {"group_size": self.group_size, "asym": self.asym, "bits": [list(r) for r in self.runs()]}
+        return {"group_size": self.group_size, "asym": self.asym, "permuted": self.permuted,
+                "bits": [list(r) for r in self.runs()]}
 
     @classmethod
     def from_json(cls, in_features: int, out_features: int, spec: dict) -> "MatrixLayout":
         bits: list[int] = []
         for b, n in spec["bits"]:
             bits.extend([int(b)] * int(n))
-        return cls(in_features, out_features, int(spec["group_size"]), tuple(bits), bool(spec["asym"]))
+        return cls(in_features, out_features, int(spec["group_size"]), tuple(bits), bool(spec["asym"]),
+                   bool(spec.get("permuted", True)))
 
     def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor this matrix writes: suffix -> (shape, dtype). Biases are not counted."""
@@ -84,8 +88,9 @@ class MatrixLayout:
             "qweight": ((self.qweight_rows, n), torch.int32),
             "qgroups": ((g, 2), torch.int32),
             "scales": ((g, n), torch.float16),
-            "perm": ((self.in_features,), self.perm_dtype),
         }
+        if self.permuted:
+            shapes["perm"] = ((self.in_features,), self.perm_dtype)
         if self.asym:
             shapes["mins"] = ((g, n), torch.float16)
         return shapes

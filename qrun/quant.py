@@ -7,7 +7,8 @@ Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`
   re-expressed exactly on the 4-bit grid: w = (q - 8) * scale + zero), groups of 5..8 bits (a
   prefix of the permuted input rows) run as one dense matmul of their dequantized weights;
   where the int4 layout does not apply (group size not 32/64/128/256, N not a multiple of 16)
-  the whole matrix runs dense. Activations run in bfloat16 on this path.
+  the whole matrix runs dense; other multiples of 32 (96, 192) run with their scales repeated on
+  the largest size the kernel takes that divides them. Activations run in bfloat16 on this path.
 - CPU, `QRUN_QUANT_CPU=ref`: `dequant_matmul_ref` (float32 dequantize, then matmul).
 
 Format of the tensors: docs/FORMAT.md.
@@ -48,7 +49,10 @@ class QuantLinear(nn.Module):
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         if not layout.asym:
             self.mins = None
+        if not layout.permuted:
+            self.perm = None
         self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._identity: torch.Tensor | None = None
         self._prepared: tuple | None = None
         self._prepared_key = None
 
@@ -57,11 +61,19 @@ class QuantLinear(nn.Module):
         return (f"in={self.in_features}, out={self.out_features}, group={self.group_size}, "
                 f"{'asym' if self.layout.asym else 'sym'}, groups={runs}, bpw={self.layout.bpw():.3f}")
 
+    def input_perm(self) -> torch.Tensor:
+        """Input column of each packed row (the identity when the file stores no perm)."""
+        if self.perm is not None:
+            return self.perm
+        if self._identity is None or self._identity.device != self.qweight.device:
+            self._identity = torch.arange(self.in_features, dtype=self.layout.perm_dtype, device=self.qweight.device)
+        return self._identity
+
     def dequantized_weight(self) -> torch.Tensor:
         """float32 [N, K] in original input order."""
         w = dequantize_ref(self.qweight, self.qgroups, self.scales, self.mins, self.group_size)
         dense = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=w.device)
-        dense[:, self.perm.long()] = w.T
+        dense[:, self.input_perm().long()] = w.T
         return dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,9 +81,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if backend(x.device) == "triton":
             y = ops_for(x.device).dequant_matmul(x2, self.qweight, self.qgroups, self.scales, self.mins,
-                                                  self.perm, self.group_size, self.bias)
+                                                  self.input_perm(), self.group_size, self.bias)
         elif cpu_mode() == "ref":
-            y = dequant_matmul_ref(x2, self.qweight, self.qgroups, self.scales, self.mins, self.perm,
+            y = dequant_matmul_ref(x2, self.qweight, self.qgroups, self.scales, self.mins, self.input_perm(),
                                    self.group_size, self.bias)
         else:
             y = self._forward_cpu_fast(x2)
@@ -79,20 +91,22 @@ class QuantLinear(nn.Module):
 
     # --- CPU fast path -------------------------------------------------------------------
     def _prepare_cpu(self) -> tuple:
-        """(perm, k_hi, dense_hi [N, k_hi] bf16 | None, int4-packed low part | None, its scale_zero | None)."""
+        """(perm | None (identity), k_hi, dense_hi [N, k_hi] bf16 | None,
+        low: (int4-packed rows k_hi.., kernel group size, scale_zero [K_lo/kernel group, N, 2]) | None)."""
         bits = [int(b) for b in self.qgroups[:, 0].tolist()]
         g = self.group_size
         hi_groups = 0
         while hi_groups < len(bits) and bits[hi_groups] > 4:
             hi_groups += 1
-        lo_is_int4 = (all(b <= 4 for b in bits[hi_groups:]) and g in INT4_GROUP_SIZES
+        kernel_group = next((s for s in INT4_GROUP_SIZES[::-1] if g % s == 0), None)
+        lo_is_int4 = (all(b <= 4 for b in bits[hi_groups:]) and kernel_group is not None
                       and self.out_features % 16 == 0 and hi_groups < len(bits))
         if not lo_is_int4:
             hi_groups = len(bits)
         w = dequantize_ref(self.qweight, self.qgroups, self.scales, self.mins, g)  # [K, N] permuted
         k_hi = hi_groups * g
         dense_hi = w[:k_hi].T.contiguous().to(torch.bfloat16) if k_hi else None
-        packed = scale_zero = None
+        low = None
         if lo_is_int4:
             from qrun.kernels.dequant_matmul import unpack_rows
 
@@ -106,19 +120,24 @@ class QuantLinear(nn.Module):
                 sz.append(torch.stack([s, zero], -1))
             q = torch.cat(q_parts).T.contiguous().to(torch.int32)  # [N, K_lo]
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            scale_zero = torch.stack(sz).to(torch.bfloat16).contiguous()  # [K_lo/g, N, 2]
-        return self.perm.long(), k_hi, dense_hi, packed, scale_zero
+            scale_zero = torch.stack(sz).to(torch.bfloat16).repeat_interleave(g // kernel_group, 0).contiguous()
+            low = (packed, kernel_group, scale_zero)
+        perm = None if self.perm is None else self.perm.long()
+        return perm, k_hi, dense_hi, low
 
     def _forward_cpu_fast(self, x: torch.Tensor) -> torch.Tensor:
         key = (self.qweight.data_ptr(), self.scales.data_ptr())
         if self._prepared is None or self._prepared_key != key:
             self._prepared, self._prepared_key = self._prepare_cpu(), key
-        perm, k_hi, dense_hi, packed, scale_zero = self._prepared
-        xp = x.to(torch.bfloat16)[:, perm]
+        perm, k_hi, dense_hi, low = self._prepared
+        xp = x.to(torch.bfloat16)
+        if perm is not None:
+            xp = xp[:, perm]
         y = None
-        if packed is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp[:, k_hi:].contiguous(), packed,
-                                                            self.group_size, scale_zero)
+        if low is not None:
+            packed, kernel_group, scale_zero = low
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp[:, k_hi:].contiguous(), packed, kernel_group,
+                                                            scale_zero)
         if dense_hi is not None:
             hi = xp[:, :k_hi] @ dense_hi.T
             y = hi if y is None else y + hi

@@ -26,7 +26,8 @@ def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int 
 
 @pytest.mark.parametrize("cand,k,n", [
     (Candidate(64, ((4, 0.5), (3, 0.25), (2, 0.25))), 576, 192),  # all int4-representable
-    (Candidate(32, ((4, 1.0),), asym=True, act_order=False), 576, 64),  # Q4_1-like
+    (Candidate(32, ((4, 1.0),), asym=True, act_order=False), 576, 64),  # Q4_1-like, no perm stored
+    (Candidate(128, ((4, 0.5), (3, 0.5))), 576, 64),  # group 96: int4 kernel at group 32, scales repeated
     (Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5))), 1536, 64),  # wide prefix runs dense
     (Candidate(64, ((6, 1.0),)), 192, 32),  # all dense
     (Candidate(64, ((4, 1.0),)), 192, 40),  # N not a multiple of 16: dense fallback
