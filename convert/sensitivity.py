@@ -25,7 +25,7 @@ from qrun.convert.forward import LayerRunner, Rows, build_layer
 from qrun.convert.job import atomic_torch_save, load_layer_tensors
 
 
-def _layer_streams(runner: LayerRunner, layer, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_streams(runner: LayerRunner, layer, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual stream after the attention block and after the MLP block of one layer."""
     h, _ = layer.input_layernorm(stream, None)
     mid = stream + runner.attention(layer, h)
@@ -33,8 +33,8 @@ def _layer_streams(runner: LayerRunner, layer, stream: torch.Tensor) -> tuple[to
     return mid, mid + layer.mlp(h2)
 
 
-def _head_gradient(config, stream: torch.Tensor, other: dict, seed: int) -> torch.Tensor:
-    """d/d stream of sum log p(y) over every position, y sampled from the model's own softmax."""
+def head_log_probs(config, other: dict):
+    """stream [L, H] -> next-token log-probabilities [L, vocab] (final norm, then the head)."""
     from qrun.kernels import ops_for
     from qrun.model import RMSNorm
 
@@ -43,11 +43,17 @@ def _head_gradient(config, stream: torch.Tensor, other: dict, seed: int) -> torc
     norm.requires_grad_(False)
     head = other.get("lm_head.weight") if not config.tie_word_embeddings else None
     head = (other["embed_tokens.weight"] if head is None else head).float()
+    return lambda stream: torch.log_softmax(norm(stream)[0] @ head.T, dim=-1)
+
+
+def _head_gradient(config, stream: torch.Tensor, other: dict, seed: int) -> torch.Tensor:
+    """d/d stream of sum log p(y) over every position, y sampled from the model's own softmax."""
+    log_probs = head_log_probs(config, other)
     gen = torch.Generator().manual_seed(seed)
     grads = []
     for row in stream:  # one row at a time: its logits are [L, vocab]
         row = row.detach().requires_grad_()
-        logp = torch.log_softmax(norm(row)[0] @ head.T, dim=-1)
+        logp = log_probs(row)
         labels = torch.multinomial(logp.detach().exp(), 1, generator=gen)
         logp.gather(1, labels).sum().backward()
         grads.append(row.grad)
@@ -63,16 +69,18 @@ def block_gradients(config, runner: LayerRunner, rows: Rows, other: dict, src_di
     with torch.no_grad():
         for i in range(config.num_layers):
             inputs.append(stream)
-            stream = _layer_streams(runner, build_layer(config, load_layer_tensors(src_dir, i)), stream)[1]
+            stream = layer_streams(runner, build_layer(config, load_layer_tensors(src_dir, i)), stream)[1]
             if on_layer:
                 on_layer()
-    grad = _head_gradient(config, stream, other, seed)
+    with torch.enable_grad():
+        grad = _head_gradient(config, stream, other, seed)
     for i in reversed(range(config.num_layers)):
         layer = build_layer(config, load_layer_tensors(src_dir, i))
-        stream = inputs[i].clone().requires_grad_()
-        mid, out = _layer_streams(runner, layer, stream)
-        mid.retain_grad()
-        out.backward(grad)
+        with torch.enable_grad():
+            stream = inputs[i].clone().requires_grad_()
+            mid, out = layer_streams(runner, layer, stream)
+            mid.retain_grad()
+            out.backward(grad)
         atomic_torch_save({"attn": mid.grad.detach(), "mlp": grad}, out_dir / f"grad_{i:04d}.pt")
         grad = stream.grad.detach()
         if on_layer:

@@ -3,12 +3,13 @@
 SmolLM2-135M (the Q4_1 GGUF, dequantized to float32, is the reference) is converted at each
 target bpw; every model is scored on the first --max-tokens tokens of each held-out file
 (brown_k*, brown_l*) in 512-token windows without BOS: mean per-token KL(ref || model) first,
-perplexity second. Baselines at the same widths: round-to-nearest (group 128 where the input
-size allows, else 64) and uniform GPTQ (one candidate everywhere, same pipeline).
+perplexity second. Baselines at each width of --uniform-bits: round-to-nearest and uniform GPTQ
+(one candidate everywhere, same pipeline), both group 128 (snapped to 96 where K = 576), and
+mixed-bit converted at exactly the uniform GPTQ model's bpw beside them.
 
-    python scripts/bench_quality.py                      # default preset, 2.5 3.0 4.0 5.0 bpw
+    python scripts/bench_quality.py                      # default preset, 2.5 3.0 4.0 4.65 5.0 bpw
     python scripts/bench_quality.py --preset fast        # what fits a busy 2-core machine
-    python scripts/bench_quality.py --preset fast --targets 4.0 --no-baselines
+    python scripts/bench_quality.py --preset fast --targets 4.0 --no-baselines --max-tokens 2048
     python scripts/bench_quality.py --speed-only --speed-model OUT_DIR
 
 Run one CPU benchmark at a time. Results: a table on stdout and --results JSON.
@@ -114,16 +115,16 @@ def speed(quant_dir: str, batches=(1, 8, 32), steps: int = 12) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", type=float, nargs="*", default=[2.5, 3.0, 4.0, 5.0])
+    parser.add_argument("--targets", type=float, nargs="*", default=[2.5, 3.0, 4.0, 4.65, 5.0])
     parser.add_argument("--measurement", default=None, help="reuse this measurement.json (skips measuring)")
     parser.add_argument("--preset", default="default")
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--work", default="/tmp/qrun-bench", help="folder for converted models")
     parser.add_argument("--results", default=None, help="write results JSON here")
     parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--uniform-bits", type=int, nargs="*", default=[3, 4])
-    parser.add_argument("--mixed-at-uniform", action="store_true",
-                        help="also convert mixed-bit at exactly each uniform baseline's bpw")
+    parser.add_argument("--uniform-bits", type=int, nargs="*", default=[2, 3, 4, 5],
+                        help="widths of the uniform GPTQ and RTN baselines (group 128); mixed-bit is also "
+                             "converted at exactly each uniform baseline's bpw")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a busy 2-core machine)")
     parser.add_argument("--speed-only", action="store_true")
@@ -188,8 +189,6 @@ def main() -> int:
             model, rtn_bpw = fake_quant_rtn(MODEL, bits)
             score(f"RTN {bits}b g128(64)", model, rtn_bpw)
             del model
-            if not args.mixed_at_uniform:
-                continue
             out = work / f"mixed-at-uniform-{bits}"
             summary = convert(MODEL, out, bits=bpw + 0.005, preset=args.preset, force=True, measurement=measurement,
                               quiet=True)
