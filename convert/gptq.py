@@ -117,7 +117,7 @@ class QuantizedMatrix:
         return out
 
 
-CLIP_GRID = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
 def _levels(bits, like: torch.Tensor):
