@@ -115,6 +115,16 @@ def test_measurement_is_reused_for_another_target(converted, tiny_llama_dir, cal
     assert summary["achieved_bpw"] <= 3.0
 
 
+def test_measurement_from_an_older_version_asks_to_measure_again(converted, tiny_llama_dir, calib_file, tmp_path):
+    doc = json.loads((converted[0] / "measurement.json").read_text())
+    doc["version"] = 1
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    with pytest.raises(ConvertError, match="measure again"):
+        convert(tiny_llama_dir, tmp_path / "o", bits=4.0, calib=[calib_file], measurement=old, **FAST)
+    assert not (tmp_path / "o").exists()
+
+
 def test_existing_output_is_refused_without_force(converted, tiny_llama_dir, calib_file):
     out, _ = converted
     before = (out / "config.json").read_bytes()
