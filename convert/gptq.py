@@ -118,6 +118,7 @@ class QuantizedMatrix:
 
 
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8)
+INNER = 32  # GPTQ columns between matrix-matrix updates inside a lazy block
 
 
 def _levels(bits, like: torch.Tensor):
@@ -331,8 +332,14 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
                 q[col] = (qc + half).to(torch.uint8)
             e = (x - deq).div_(hinv1[i, i])
             err1[i] = e
-            if i + 1 < i2 - i1:
-                w1[i + 1:].addr_(hinv1[i, i + 1:], e, alpha=-1)
+            # Rank-1 updates only inside the current run of 32 columns; each finished run updates
+            # the rest of the block at once (same result, matrix-matrix instead of many rank-1s).
+            run_end = min(i - i % INNER + INNER, i2 - i1)
+            if i + 1 < run_end:
+                w1[i + 1:run_end].addr_(hinv1[i, i + 1:run_end], e, alpha=-1)
+            elif run_end < i2 - i1:
+                run = slice(run_end - INNER, run_end)
+                w1[run_end:].addmm_(hinv1[run, run_end:].T, err1[run], alpha=-1)
         if i2 < k:
             W[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)
     if not torch.isfinite(scales.float()).all():
