@@ -77,7 +77,7 @@ class Preset:
 
 PRESETS = {
     "fast": Preset(CANDIDATES_FAST, 16, 256, 2, False),
-    "default": Preset(CANDIDATES_DEFAULT, 32, 512, 4, True),
+    "default": Preset(CANDIDATES_DEFAULT, 32, 512, 2, True),
     "best": Preset(CANDIDATES_BEST, 128, 512, 8, True),
 }
 
