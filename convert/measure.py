@@ -42,17 +42,17 @@ CANDIDATES_FAST = _SYM_LOW + [_c(128, [(8, 1.0)])] + [
 CANDIDATES_DEFAULT = _SYM_LOW + _SYM_HIGH + [
     _c(128, [(3, 0.25), (2, 0.75)]),
     _c(128, [(4, 0.25), (3, 0.75)]),
-    _c(128, [(5, 1.0)]),
     _c(128, [(2, 1.0)], asym=True),
     _c(128, [(3, 1.0)], asym=True),
     _c(128, [(4, 1.0)], asym=True),
     _c(32, [(4, 1.0)], asym=True, act_order=False),
     _c(32, [(4, 0.25), (3, 0.75)], asym=True, act_order="group"),
     _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
-    _c(32, [(4, 0.75), (3, 0.25)], asym=True, act_order="group"),
-    _c(32, [(5, 0.25), (4, 0.75)], asym=True, act_order="group"),
 ]
 CANDIDATES_BEST = CANDIDATES_DEFAULT + [
+    _c(128, [(5, 1.0)]),
+    _c(32, [(4, 0.75), (3, 0.25)], asym=True, act_order="group"),
+    _c(32, [(5, 0.25), (4, 0.75)], asym=True, act_order="group"),
     _c(128, [(4, 0.75), (3, 0.25)]),
     _c(128, [(5, 0.5), (4, 0.5)]),
     _c(128, [(8, 0.1), (4, 0.9)]),
