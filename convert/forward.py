@@ -128,6 +128,15 @@ class LayerRunner:
         return torch.cat(outs)
 
 
+def final_norm(config, other: dict[str, torch.Tensor]):
+    """The model's final RMSNorm, built from the source's non-layer tensors."""
+    from qrun.model import RMSNorm
+
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops_for(torch.device("cpu")))
+    norm.weight.data = other["norm.weight"].float()
+    return norm.requires_grad_(False)
+
+
 def linear(layer: nn.Module, name: str) -> nn.Linear:
     return layer.get_submodule(name)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from qrun.convert.forward import LayerRunner, Rows, build_layer, load_rows, new_hessians, relative_error, save_rows
+from qrun.convert.forward import (LayerRunner, Rows, build_layer, final_norm, load_rows, new_hessians, relative_error,
+                                  save_rows)
 from qrun.convert.gptq import Candidate, HessianAccumulator, gptq_quantize
 from qrun.convert.job import ConvertError, atomic_save, load_layer_tensors
 from qrun.convert.measure import Preset, quantize_block, swapped_weights
@@ -91,11 +92,7 @@ def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, s
 
 def quantize_head(config, runner: LayerRunner, rows: Rows, other: dict, head_bits: int, preset: Preset):
     """GPTQ of an untied lm_head on the final-normed calibration states. Returns (tensors, info)."""
-    from qrun.model import RMSNorm
-    from qrun.kernels import ops_for
-
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops_for(torch.device("cpu")))
-    norm.weight.data = other["norm.weight"].float()
+    norm = final_norm(config, other)
     acc = HessianAccumulator(config.hidden_size)
     for start in range(0, rows.x.shape[0], runner.chunk_rows):
         res = None if rows.residual is None else rows.residual[start:start + runner.chunk_rows]

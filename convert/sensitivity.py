@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qrun.convert.forward import LayerRunner, Rows, build_layer
+from qrun.convert.forward import LayerRunner, Rows, build_layer, final_norm
 from qrun.convert.job import atomic_torch_save, load_layer_tensors
 
 
@@ -35,12 +35,7 @@ def layer_streams(runner: LayerRunner, layer, stream: torch.Tensor) -> tuple[tor
 
 def head_log_probs(config, other: dict):
     """stream [L, H] -> next-token log-probabilities [L, vocab] (final norm, then the head)."""
-    from qrun.kernels import ops_for
-    from qrun.model import RMSNorm
-
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops_for(torch.device("cpu")))
-    norm.weight.data = other["norm.weight"].float()
-    norm.requires_grad_(False)
+    norm = final_norm(config, other)
     head = other.get("lm_head.weight") if not config.tie_word_embeddings else None
     head = (other["embed_tokens.weight"] if head is None else head).float()
     return lambda stream: torch.log_softmax(norm(stream)[0] @ head.T, dim=-1)

@@ -20,8 +20,9 @@ def _kl_of_perturbation(config, runner, src, other, stream, layer_index, block, 
         layer = build_layer(config, load_layer_tensors(src, i))
         clean = layer_streams(runner, layer, clean)[1]
         if i == layer_index and block == "attn":
-            h2, _ = layer.post_attention_layernorm(layer_streams(runner, layer, perturbed)[0] + delta, None)
-            perturbed = layer_streams(runner, layer, perturbed)[0] + delta + layer.mlp(h2)
+            mid = layer_streams(runner, layer, perturbed)[0] + delta
+            h2, _ = layer.post_attention_layernorm(mid, None)
+            perturbed = mid + layer.mlp(h2)
         else:
             perturbed = layer_streams(runner, layer, perturbed)[1]
             if i == layer_index:
