@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from qrun.convert.gptq import HessianAccumulator
 from qrun.kernels import ops_for
@@ -72,60 +71,49 @@ class LayerRunner:
         positions = torch.arange(length).repeat(rows)
         return meta, positions, torch.zeros(shape), torch.zeros(shape)
 
-    def attention(self, layer: DecoderLayer, h: torch.Tensor, capture=None) -> torch.Tensor:
-        """Attention sub-block on normed input h [r, L, H] -> [r, L, H]."""
+    def heads(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        """Attention heads on normed input h [r, L, H] -> o_proj's input [r, L, heads * head_dim]."""
         r = h.shape[0]
         meta, positions, kc, vc = self._meta(r)
-        hook = None
-        if capture is not None:
-            hook = layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: capture(a[0]))
-        try:
-            out = layer.self_attn(h.reshape(r * self.row_len, -1), positions, self.cos_sin, meta, kc, vc)
-        finally:
-            if hook is not None:
-                hook.remove()
+        out = layer.self_attn.heads(h.reshape(r * self.row_len, -1), positions, self.cos_sin, meta, kc, vc)
         return out.view(r, self.row_len, -1)
 
-    def mlp(self, layer: DecoderLayer, h: torch.Tensor, capture=None) -> torch.Tensor:
-        hook = None
-        if capture is not None:
-            hook = layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: capture(a[0]))
-        try:
-            return layer.mlp(h)
-        finally:
-            if hook is not None:
-                hook.remove()
+    def attention(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        """Attention sub-block on normed input h [r, L, H] -> [r, L, H]."""
+        return layer.self_attn.o_proj(self.heads(layer, h))
 
-    def run(self, layer: DecoderLayer, rows: Rows, hessians: dict[str, HessianAccumulator] | None = None,
-            keep_inputs: int = 0):
-        """Run the layer over all rows. Returns (next Rows, sub-block inputs of the first
-        `keep_inputs` rows: {"attn": [k, L, H], "mlp": [k, L, H]})."""
+    def run(self, layer: DecoderLayer, rows: Rows, sinks: dict | None = None, keep_inputs: int = 0):
+        """Run the layer over all rows, handing every linear input to sinks[shared input name]
+        (e.g. a HessianAccumulator's add) chunk by chunk. Returns (next Rows, sub-block inputs of
+        the first `keep_inputs` rows: {"attn": [k, L, H], "mlp": [k, L, H]})."""
+        sink = (lambda name, x: sinks[name](x)) if sinks else (lambda name, x: None)
         xs, residuals, kept_attn, kept_mlp = [], [], [], []
         for start in range(0, rows.x.shape[0], self.chunk_rows):
             x = rows.x[start:start + self.chunk_rows]
             res = None if rows.residual is None else rows.residual[start:start + self.chunk_rows]
             h, res = layer.input_layernorm(x, res)
-            if hessians is not None:
-                hessians["attn_in"].add(h)
-            a = self.attention(layer, h, hessians["attn_out"].add if hessians is not None else None)
-            h2, res = layer.post_attention_layernorm(a, res)
-            if hessians is not None:
-                hessians["mlp_in"].add(h2)
-            m = self.mlp(layer, h2, hessians["mlp_out"].add if hessians is not None else None)
+            sink("attn_in", h)
+            heads = self.heads(layer, h)
+            sink("attn_out", heads)
+            h2, res = layer.post_attention_layernorm(layer.self_attn.o_proj(heads), res)
+            sink("mlp_in", h2)
+            act = layer.mlp.hidden(h2)
+            sink("mlp_out", act)
             if start < keep_inputs:
                 kept_attn.append(h[: keep_inputs - start])
                 kept_mlp.append(h2[: keep_inputs - start])
-            xs.append(m)
+            xs.append(layer.mlp.down_proj(act))
             residuals.append(res)
         kept = {"attn": torch.cat(kept_attn), "mlp": torch.cat(kept_mlp)} if keep_inputs else {}
         return Rows(torch.cat(xs), torch.cat(residuals)), kept
 
+    def chunked(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
+        """fn over row chunks of [R, L, ...] tensors, concatenated (bounds attention's memory)."""
+        return torch.cat([fn(*(t[start:start + self.chunk_rows] for t in tensors))
+                          for start in range(0, tensors[0].shape[0], self.chunk_rows)])
+
     def block_output(self, layer: DecoderLayer, block: str, h: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for start in range(0, h.shape[0], self.chunk_rows):
-            chunk = h[start:start + self.chunk_rows]
-            outs.append(self.attention(layer, chunk) if block == "attn" else self.mlp(layer, chunk))
-        return torch.cat(outs)
+        return self.chunked(lambda c: self.attention(layer, c) if block == "attn" else layer.mlp(c), h)
 
 
 def final_norm(config, other: dict[str, torch.Tensor]):
@@ -135,10 +123,6 @@ def final_norm(config, other: dict[str, torch.Tensor]):
     norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops_for(torch.device("cpu")))
     norm.weight.data = other["norm.weight"].float()
     return norm.requires_grad_(False)
-
-
-def linear(layer: nn.Module, name: str) -> nn.Linear:
-    return layer.get_submodule(name)
 
 
 def new_hessians(config) -> dict[str, HessianAccumulator]:

@@ -154,13 +154,11 @@ def group_params(w: torch.Tensor, bits, asym: bool, clip_search: bool,
         sf = s.float()[:, None]
         if asym:
             mf = m.float()[:, None]
-            q = torch.minimum(((w - mf) / sf).round().clamp(min=0), _col(maxq))
-            deq = q * sf + mf
+            deq = (w - mf).div_(sf).round_().clamp_(min=torch.zeros_like(sf), max=_col(maxq)).mul_(sf).add_(mf)
         else:
-            q = torch.minimum(torch.maximum((w / sf).round(), -_col(half)), _col(half) - 1)
-            deq = q * sf
-        err = (deq - w).pow(2)
-        err = (err * weight[None, :]).sum(1) if weight is not None else err.sum(1)
+            deq = (w / sf).round_().clamp_(min=-_col(half), max=_col(half) - 1).mul_(sf)
+        err = deq.sub_(w).square_()
+        err = err @ weight if weight is not None else err.sum(1)
         if best_err is None:
             best_err, best_s, best_m = err, s.clone(), (m.clone() if m is not None else None)
         else:
@@ -219,6 +217,26 @@ class HessianAccumulator:
         return self.h / self.tokens
 
 
+def drift_corrected(w: torch.Tensor, h: torch.Tensor, cross: torch.Tensor, damp: float) -> torch.Tensor:
+    """The weights W* whose outputs on the quantized model's inputs X_q best match the original
+    model's outputs on its own inputs X_fp: argmin ||W X_fp - W* X_q|| = W + W D H^-1, with
+    h = X_q X_q^T / T and cross = D = (X_fp - X_q) X_q^T / T ([K, K]; H damped as GPTQ damps it).
+    Since ||W X_fp - V X_q||^2 = ||(W* - V) X_q||^2 + const, GPTQ of W* on h makes each layer
+    undo the drift the quantized layers before it caused instead of reproducing it. Where
+    nothing has drifted (D = 0) W* is exactly W."""
+    k = h.shape[0]
+    hd = h + torch.eye(k) * damp * torch.diag(h).mean()
+    chol = torch.linalg.cholesky(hd)
+    return w + torch.cholesky_solve(cross.T @ w.T, chol).T
+
+
+def drift_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, cross: torch.Tensor) -> float:
+    """||W X_fp - Ŵ X_q||^2 / T up to a term that does not depend on Ŵ (h, cross as in
+    drift_corrected): tr(Ŵ H Ŵ^T) - 2 tr(W (D + H) Ŵ^T)."""
+    w, w_hat = w.float(), w_hat.float()
+    return float(torch.einsum("nk,kl,nl->", w_hat, h, w_hat) - 2 * torch.einsum("nk,kl,nl->", w, cross + h, w_hat))
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, cand: Candidate, damp: float = 0.01,
                   block_size: int = 128, clip_search: bool = True) -> QuantizedMatrix:
     """GPTQ of w [N, K] given the input Hessian h [K, K] (see gptq_quantize_many)."""
@@ -271,12 +289,14 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     k = h.shape[0]
     diag_mean = torch.mean(torch.diag(h))
     for attempt in range(4):
-        hd = h + torch.eye(k) * damp * (10 ** attempt) * diag_mean
+        hd = h + torch.eye(k, dtype=h.dtype) * damp * (10 ** attempt) * diag_mean
+        # The upper Cholesky factor U of H^-1 (H^-1 = U^T U) without forming H^-1: with J the
+        # reversal, J H J = M M^T gives H = R R^T for the upper R = J M J, so U = R^-1.
         try:
-            chol = torch.linalg.cholesky(hd)
-            hinv = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+            r = torch.linalg.cholesky(hd.flip(0, 1)).flip(0, 1)
         except RuntimeError:
             continue
+        hinv = torch.linalg.solve_triangular(r, torch.eye(k, dtype=r.dtype), upper=True)
         if torch.isfinite(hinv).all():
             return hinv
     raise QuantizationError("the calibration Hessian is not positive definite even with heavy damping")
@@ -305,6 +325,7 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
     scales = torch.empty(groups, c * n, dtype=torch.float16)
     mins = torch.empty(groups, c * n, dtype=torch.float16) if asym else None
     block = max(g, (block_size // g) * g)
+    pivots = hinv.diagonal().tolist()  # Python floats: no tensor made per column
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1 = W[i1:i2].clone()
@@ -320,18 +341,15 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
                 maxq, half = _levels(bits, sf)
                 if asym:
                     mins[gi], mf = m, m.float()
-                    inv = 1 / sf
+                    inv, lo, hi = 1 / sf, torch.zeros_like(sf), maxq
+                else:
+                    lo, hi = -half, half - 1
             x = w1[i]
-            if asym:
-                qc = torch.minimum(((x - mf) * inv).round_().clamp_(min=0), maxq)
-                deq = torch.addcmul(mf, qc, sf)
-                q[col] = qc.to(torch.uint8)
-            else:
-                qc = torch.minimum(torch.maximum((x / sf).round_(), -half), half - 1)
-                deq = qc * sf
-                q[col] = (qc + half).to(torch.uint8)
-            e = (x - deq).div_(hinv1[i, i])
-            err1[i] = e
+            qc = (x - mf).mul_(inv) if asym else x / sf
+            qc.round_().clamp_(lo, hi)
+            deq = torch.addcmul(mf, qc, sf) if asym else qc * sf
+            q[col] = qc if asym else qc.add_(half)  # exact small integers: the uint8 copy is exact
+            e = torch.sub(x, deq, out=err1[i]).div_(pivots[col])
             # Rank-1 updates only inside the current run of 32 columns; each finished run updates
             # the rest of the block at once (same result, matrix-matrix instead of many rank-1s).
             run_end = min(i - i % INNER + INNER, i2 - i1)

@@ -18,7 +18,7 @@ import torch
 
 from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, load_rows, new_hessians,
                                   relative_error, save_rows)
-from qrun.convert.gptq import Candidate, QuantizedMatrix, gptq_quantize_many
+from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
 from qrun.convert.job import atomic_write_text, load_layer_tensors
 from qrun.convert.packing import MatrixLayout
 from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
@@ -95,23 +95,28 @@ def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]
     return out
 
 
-def quantize_block(layer, block: str, cand: Candidate, hessians: dict, clip_search: bool,
-                   damp: float = 0.01) -> dict[str, QuantizedMatrix]:
-    """GPTQ every matrix of a block (matrices sharing an input are quantized as one)."""
-    return quantize_block_many(layer, block, [cand], hessians, clip_search, damp)[0]
+def quantize_input(layer, shared: str, cands: list[Candidate], h: torch.Tensor, clip_search: bool,
+                   damp: float = 0.01, cross: torch.Tensor | None = None) -> list[dict[str, QuantizedMatrix]]:
+    """GPTQ the matrices reading one shared input (as one matrix), under each candidate.
+
+    With `cross` (the input drift's correlation, see gptq.drift_corrected) the target is the
+    full-precision model's output rather than the layer's own unquantized output."""
+    names = SHARED_INPUTS[shared]
+    weights = [layer.get_submodule(n).weight.float() for n in names]
+    w = torch.cat(weights)
+    if cross is not None:
+        w = drift_corrected(w, h, cross, damp)
+    qms = gptq_quantize_many(w, h, cands, damp=damp, clip_search=clip_search)
+    return [dict(zip(names, split_matrix(qm, [w.shape[0] for w in weights]))) for qm in qms]
 
 
 def quantize_block_many(layer, block: str, cands: list[Candidate], hessians: dict, clip_search: bool,
                         damp: float = 0.01) -> list[dict[str, QuantizedMatrix]]:
-    """quantize_block for several candidates at once (one GPTQ sweep per compatible batch)."""
+    """Every matrix of a block under each candidate (one GPTQ sweep per compatible batch)."""
     results: list[dict[str, QuantizedMatrix]] = [{} for _ in cands]
     for shared in BLOCKS[block]:
-        names = SHARED_INPUTS[shared]
-        weights = [layer.get_submodule(n).weight.float() for n in names]
-        qms = gptq_quantize_many(torch.cat(weights), hessians[shared], cands, damp=damp, clip_search=clip_search)
-        for result, qm in zip(results, qms):
-            for name, part in zip(names, split_matrix(qm, [w.shape[0] for w in weights])):
-                result[name] = part
+        for result, part in zip(results, quantize_input(layer, shared, cands, hessians[shared], clip_search, damp)):
+            result.update(part)
     return results
 
 
@@ -152,7 +157,8 @@ def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config
                   on_candidate=None):
     """Measure every candidate on both blocks of one layer; returns (results, next rows)."""
     hessians = new_hessians(config)
-    nxt, kept = runner.run(layer, rows, hessians, keep_inputs=preset.score_rows)
+    nxt, kept = runner.run(layer, rows, {k: acc.add for k, acc in hessians.items()},
+                           keep_inputs=preset.score_rows)
     h = {k: v.hessian() for k, v in hessians.items()}
     results = {}
     for block in ("attn", "mlp"):

@@ -1,21 +1,24 @@
 """Quantize pass: each layer with its chosen candidates, inputs through the quantized layers before it.
 
-After quantizing a block its output error (against the full-precision block on the same
-inputs) is checked against the measured one; NaN or a wildly larger error stops the job.
+Two streams of calibration rows advance together: the quantized model's, which every matrix is
+quantized on, and the full-precision model's, which every matrix aims at (see quantize_layer).
+After quantizing a block its output error against the full-precision model is checked against
+the drift its inputs carried plus its measured error; NaN or a wildly larger error stops the job.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
 import torch
 
-from qrun.convert.forward import (LayerRunner, Rows, build_layer, final_norm, load_rows, new_hessians, relative_error,
-                                  save_rows)
-from qrun.convert.gptq import Candidate, HessianAccumulator, gptq_quantize
+from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, final_norm, load_rows,
+                                  relative_error, save_rows)
+from qrun.convert.gptq import Candidate, HessianAccumulator, QuantizedMatrix, drift_error, gptq_quantize
 from qrun.convert.job import ConvertError, atomic_save, load_layer_tensors
-from qrun.convert.measure import Preset, quantize_block, swapped_weights
+from qrun.convert.measure import Preset, quantize_input
 
 WILD_FACTOR = 10.0
 WILD_SLACK = 0.02
@@ -25,13 +28,19 @@ def shard_name(index: int, total: int) -> str:
     return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
 
-def check_error(name: str, err: float, measured: float | None) -> None:
+def check_error(name: str, err: float, drift: float, measured: float | None) -> None:
+    """err: the quantized block's output against the full-precision model's; drift: the same for
+    the unquantized block on the quantized model's inputs (what the layers before caused)."""
     if not math.isfinite(err):
         raise ConvertError(f"{name}: quantized output is not finite (NaN/inf); the source weights or "
                            "calibration activations are broken")
-    if measured is not None and err > max(WILD_FACTOR * measured, measured + WILD_SLACK):
-        raise ConvertError(f"{name}: output error {err:.4g} is far above its measured {measured:.4g}; "
-                           "stopping (rerun with --preset best or more calibration text)")
+    if measured is None:
+        return
+    expected = drift + measured
+    if err > max(WILD_FACTOR * expected, expected + WILD_SLACK):
+        raise ConvertError(f"{name}: output error {err:.4g} is far above the drift of its inputs ({drift:.4g}) "
+                           f"plus its measured error ({measured:.4g}); stopping (rerun with --preset best or more "
+                           "calibration text)")
 
 
 def layer_tensors(i: int, layer, quantized: dict) -> dict[str, torch.Tensor]:
@@ -47,43 +56,99 @@ def layer_tensors(i: int, layer, quantized: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def input_statistics(x: torch.Tensor, x_fp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """H = X_q X_q^T / T and the drift correlation D = (X_fp - X_q) X_q^T / T of a linear's inputs
+    on the quantized model's stream (x [T, K]) and on the full-precision model's (x_fp)."""
+    acc = HessianAccumulator(x.shape[-1])
+    acc.add(x)
+    return acc.hessian(), (x_fp - x).T @ x / x.shape[0]
+
+
+def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows, choice: dict[str, Candidate],
+                   prefix: str, preset: Preset, measured: dict[str, float]):
+    """GPTQ one layer's matrices in forward order along the quantized model's own stream.
+
+    q/k/v first; then o_proj on the heads of the already quantized attention; then gate/up on
+    the quantized attention block's output; then down_proj. Each sees the inputs the finished
+    model will give it, and aims at the full-precision model's output on its own stream (rows of
+    the full-precision model, `fp_rows`), so every matrix also corrects the drift of what came
+    before. Returns (quantized matrices, report entry, next rows, next fp rows)."""
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name in SHARED_INPUTS}
+    fp_next, _ = runner.run(layer, fp_rows, {name: xs.append for name, xs in captured.items()})
+    fp_inputs = {name: torch.cat(xs) for name, xs in captured.items()}
+    del captured
+    qlayer = copy.deepcopy(layer)
+    quantized: dict[str, QuantizedMatrix] = {}
+
+    def quantize(block: str, shared: str, x: torch.Tensor) -> None:
+        # The score rows are held out of the fit: they decide whether the drift correction helps.
+        x_fp, x = fp_inputs[shared].flatten(0, -2), x.flatten(0, -2)
+        held = preset.score_rows * runner.row_len
+        if held >= x.shape[0]:
+            held = 0  # too few rows to hold any out: no correction
+        h, cross = input_statistics(x[held:], x_fp[held:])
+        cand = [choice[f"{prefix}.{block}"]]
+        [result] = quantize_input(layer, shared, cand, h, preset.clip_search)
+        if held:
+            [corrected] = quantize_input(layer, shared, cand, h, preset.clip_search, cross=cross)
+            h_held, cross_held = input_statistics(x[:held], x_fp[:held])
+            result = min((result, corrected), key=lambda r: sum(
+                drift_error(layer.get_submodule(n).weight, qm.dequantized(), h_held, cross_held)
+                for n, qm in r.items()))
+        for name, qm in result.items():
+            qlayer.get_submodule(name).weight.data = qm.dequantized()
+        quantized.update(result)
+
+    h, residual = qlayer.input_layernorm(rows.x, rows.residual)
+    quantize("attn", "attn_in", h)
+    heads = runner.chunked(lambda chunk: runner.heads(qlayer, chunk), h)
+    quantize("attn", "attn_out", heads)
+    h2, residual = qlayer.post_attention_layernorm(qlayer.self_attn.o_proj(heads), residual)
+    quantize("mlp", "mlp_in", h2)
+    act = qlayer.mlp.hidden(h2)
+    quantize("mlp", "mlp_out", act)
+    next_rows = Rows(qlayer.mlp.down_proj(act), residual)
+
+    entry = {}
+    for block, x, block_input in (("attn", h, "attn_in"), ("mlp", h2, "mlp_in")):
+        name = f"{prefix}.{block}"
+        score, score_fp = x[:preset.score_rows], fp_inputs[block_input][:preset.score_rows]
+        target = runner.block_output(layer, block, score_fp)
+        err = relative_error(runner.block_output(qlayer, block, score), target)
+        drift = relative_error(runner.block_output(layer, block, score), target)
+        check_error(name, err, drift, measured.get(name))
+        parts = [quantized[n] for shared in BLOCKS[block] for n in SHARED_INPUTS[shared]]
+        entry[block] = {"candidate": choice[name].name, "error": err, "drift": drift, "measured": measured.get(name),
+                        "bits": sum(m.layout.storage_bits() for m in parts),
+                        "weights": sum(m.layout.in_features * m.layout.out_features for m in parts)}
+    return quantized, entry, next_rows, fp_next
+
+
 def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, src_dir: Path,
                  choice: dict[str, Candidate], measured: dict[str, float], final_dir: Path, progress) -> list[dict]:
     """Quantize every layer (resumable per layer); returns the per-layer report."""
     qdir = job.sub("quantize")
     done = job.get("quantize_done", -1)
     report = job.get("report", [])
+    fp_rows = rows
     if done >= 0:
-        rows = load_rows(qdir / f"state_{done:04d}.pt")
+        rows, fp_rows = load_rows(qdir / f"state_{done:04d}.pt"), load_rows(qdir / f"fp_state_{done:04d}.pt")
     total_shards = config.num_layers + 1
     task = progress.stage("quantize", config.num_layers, completed=done + 1)
     for i in range(done + 1, config.num_layers):
         progress.describe(task, f"quantize layer {i + 1}/{config.num_layers}")
         layer = build_layer(config, load_layer_tensors(src_dir, i))
-        hessians = new_hessians(config)
-        _, kept = runner.run(layer, rows, hessians, keep_inputs=preset.score_rows)
-        h = {k: v.hessian() for k, v in hessians.items()}
-        quantized, entry = {}, {"layer": i}
-        for block in ("attn", "mlp"):
-            name = f"layers.{i}.{block}"
-            cand = choice[name]
-            q = quantize_block(layer, block, cand, h, preset.clip_search)
-            ref = runner.block_output(layer, block, kept[block])
-            with swapped_weights(layer, q):
-                err = relative_error(runner.block_output(layer, block, kept[block]), ref)
-            check_error(name, err, measured.get(name))
-            quantized.update(q)
-            entry[block] = {"candidate": cand.name, "error": err, "measured": measured.get(name),
-                            "bits": sum(m.layout.storage_bits() for m in q.values()),
-                            "weights": sum(m.layout.in_features * m.layout.out_features for m in q.values())}
-        with swapped_weights(layer, quantized):
-            rows, _ = runner.run(layer, rows)
+        quantized, entry, rows, fp_rows = quantize_layer(layer, runner, rows, fp_rows, choice, f"layers.{i}", preset,
+                                                         measured)
         atomic_save(layer_tensors(i, layer, quantized), final_dir / shard_name(i, total_shards))
-        save_rows(rows, qdir / f"state_{i:04d}.pt")  # named by layer: a kill never mismatches
-        report.append(entry)
+        # Named by layer: a kill between the two saves never pairs states of different layers.
+        save_rows(fp_rows, qdir / f"fp_state_{i:04d}.pt")
+        save_rows(rows, qdir / f"state_{i:04d}.pt")
+        report.append({"layer": i, **entry})
         job.state["report"] = report
         job.set("quantize_done", i)
-        (qdir / f"state_{i - 1:04d}.pt").unlink(missing_ok=True)
+        for stale in (f"state_{i - 1:04d}.pt", f"fp_state_{i - 1:04d}.pt"):
+            (qdir / stale).unlink(missing_ok=True)
         progress.advance(task)
         del layer
     progress.finish(task)

@@ -61,6 +61,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.heads(x, positions, cos_sin, meta, k_cache, v_cache))
+
+    def heads(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The attention heads' output, concatenated: o_proj's input."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
@@ -71,7 +76,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale,
         )
-        return self.o_proj(out.view(tokens, -1))
+        return out.view(tokens, -1)
 
 
 class MLP(nn.Module):
@@ -83,7 +88,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated activation: down_proj's input."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 class RMSNorm(nn.Module):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from qrun.convert.gptq import (Candidate, HessianAccumulator, QuantizationError, gptq_quantize, output_error,
-                               rtn_quantize)
+from qrun.convert.gptq import (Candidate, HessianAccumulator, QuantizationError, drift_corrected, drift_error,
+                               gptq_quantize, output_error, rtn_quantize)
 from qrun.kernels.dequant_matmul import dequant_matmul_ref
 
 
@@ -31,6 +31,36 @@ def test_gptq_beats_rtn_on_output_error_with_correlated_inputs(bits):
     y = x @ w.T  # the Hessian error is the real output error
     direct = ((x @ gptq_quantize(w, h, cand).dequantized().T - y).pow(2).sum() / y.pow(2).sum()).item()
     assert direct == pytest.approx(gptq_err, rel=1e-3)
+
+
+def test_drift_corrected_target_matches_full_precision_outputs_from_drifted_inputs():
+    x_fp = correlated_inputs(128, 4096, seed=2)
+    x_q = x_fp + 0.2 * correlated_inputs(128, 4096, seed=3)  # what quantized layers upstream deliver
+    w = torch.randn(32, 128)
+    h = x_q.T @ x_q / x_q.shape[0]
+    corrected = drift_corrected(w, h, (x_fp - x_q).T @ x_q / x_q.shape[0], damp=1e-6)
+    y = x_fp @ w.T
+    best = torch.linalg.lstsq(x_q, y).solution.T  # argmin ||x_q V^T - x_fp W^T||
+    assert (x_q @ corrected.T - y).norm() == pytest.approx((x_q @ best.T - y).norm().item(), rel=1e-4)
+    assert (x_q @ corrected.T - y).norm() < 0.7 * (x_q @ w.T - y).norm()
+    # drift_error is the same objective up to a constant, so it ranks candidates the same way
+    cross, const = (x_fp - x_q).T @ x_q / 4096, (y.pow(2).sum() / 4096).item()
+    for v in (corrected, w):
+        direct = ((x_q @ v.T - y).pow(2).sum() / 4096).item()
+        assert drift_error(w, v, h, cross) + const == pytest.approx(direct, rel=1e-3)
+    # nothing drifted: the target is the weights themselves, exactly, whatever the damping
+    assert torch.equal(drift_corrected(w, h, torch.zeros(128, 128), damp=0.01), w)
+
+
+def test_inverse_factor_is_the_upper_cholesky_factor_of_the_damped_inverse_hessian():
+    from qrun.convert.gptq import _inverse_factor
+
+    x = correlated_inputs(96, 512, seed=4).double()
+    h = x.T @ x / 512
+    u = _inverse_factor(h, damp=0.01)
+    assert torch.equal(u, u.triu()) and (u.diag() > 0).all()
+    damped = h + 0.01 * h.diag().mean() * torch.eye(96, dtype=h.dtype)
+    assert torch.allclose(u.T @ u, torch.linalg.inv(damped), rtol=1e-8, atol=1e-10)
 
 
 def test_more_bits_for_important_groups_lowers_error_at_equal_storage():
