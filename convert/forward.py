@@ -27,8 +27,9 @@ BLOCKS = {"attn": ("attn_in", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
 
 
 def build_layer(config, tensors: dict[str, torch.Tensor]) -> DecoderLayer:
-    layer = DecoderLayer(config, ops_for(torch.device("cpu")))
-    layer.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    with torch.device("meta"):  # no random initialisation of weights about to be replaced
+        layer = DecoderLayer(config, ops_for(torch.device("cpu")))
+    layer.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
     return layer.eval().requires_grad_(False)
 
 

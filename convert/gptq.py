@@ -234,7 +234,7 @@ def drift_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, cross: to
     """||W X_fp - Ŵ X_q||^2 / T up to a term that does not depend on Ŵ (h, cross as in
     drift_corrected): tr(Ŵ H Ŵ^T) - 2 tr(W (D + H) Ŵ^T)."""
     w, w_hat = w.float(), w_hat.float()
-    return float(torch.einsum("nk,kl,nl->", w_hat, h, w_hat) - 2 * torch.einsum("nk,kl,nl->", w, cross + h, w_hat))
+    return float(((w_hat @ h - 2 * w @ (cross + h)) * w_hat).sum())
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, cand: Candidate, damp: float = 0.01,

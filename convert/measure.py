@@ -35,7 +35,7 @@ def _c(g, bits, asym=False, act_order=True):
 _SYM_LOW = [_c(128, [(2, 1.0)]), _c(128, [(3, 0.5), (2, 0.5)]), _c(128, [(3, 1.0)]),
             _c(128, [(4, 0.5), (3, 0.5)]), _c(128, [(4, 1.0)])]
 _SYM_HIGH = [_c(128, [(6, 1.0)]), _c(128, [(8, 1.0)])]
-CANDIDATES_FAST = _SYM_LOW + [_c(128, [(8, 1.0)])] + [
+CANDIDATES_FAST = [c for c in _SYM_LOW if c.bits != ((3, 0.5), (2, 0.5))] + [_c(128, [(8, 1.0)])] + [
     _c(32, [(4, 1.0)], asym=True, act_order=False),
     _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
 ]
@@ -71,14 +71,15 @@ class Preset:
     candidates: list
     rows: int
     row_len: int
-    score_rows: int  # rows the measurement scores block outputs on
+    score_rows: int  # rows the measurement scores block outputs on (and the quantize pass holds out)
     clip_search: bool
+    correct_drift: bool  # quantize toward the full-precision model's outputs where that helps (quantize.py)
 
 
 PRESETS = {
-    "fast": Preset(CANDIDATES_FAST, 16, 256, 2, False),
-    "default": Preset(CANDIDATES_DEFAULT, 32, 512, 2, True),
-    "best": Preset(CANDIDATES_BEST, 128, 512, 8, True),
+    "fast": Preset(CANDIDATES_FAST, 12, 256, 2, False, False),
+    "default": Preset(CANDIDATES_DEFAULT, 32, 512, 2, True, True),
+    "best": Preset(CANDIDATES_BEST, 128, 512, 8, True, True),
 }
 
 

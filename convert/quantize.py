@@ -56,12 +56,12 @@ def layer_tensors(i: int, layer, quantized: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def input_statistics(x: torch.Tensor, x_fp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """H = X_q X_q^T / T and the drift correlation D = (X_fp - X_q) X_q^T / T of a linear's inputs
-    on the quantized model's stream (x [T, K]) and on the full-precision model's (x_fp)."""
+def input_statistics(x: torch.Tensor, x_fp: torch.Tensor | None = None):
+    """H = X_q X_q^T / T of a linear's inputs on the quantized model's stream (x [T, K]) and, given
+    the full-precision model's (x_fp), the drift correlation D = (X_fp - X_q) X_q^T / T."""
     acc = HessianAccumulator(x.shape[-1])
     acc.add(x)
-    return acc.hessian(), (x_fp - x).T @ x / x.shape[0]
+    return acc.hessian(), None if x_fp is None else (x_fp - x).T @ x / x.shape[0]
 
 
 def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows, choice: dict[str, Candidate],
@@ -81,18 +81,22 @@ def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows, choice
     quantized: dict[str, QuantizedMatrix] = {}
 
     def quantize(block: str, shared: str, x: torch.Tensor) -> None:
-        # The score rows are held out of the fit: they decide whether the drift correction helps.
+        # The score rows are held out of the correction's fit and decide whether it helps; plain
+        # GPTQ sees every row, which only biases that decision toward no correction.
         x_fp, x = fp_inputs[shared].flatten(0, -2), x.flatten(0, -2)
-        held = preset.score_rows * runner.row_len
+        held = preset.score_rows * runner.row_len if preset.correct_drift else 0
         if held >= x.shape[0]:
             held = 0  # too few rows to hold any out: no correction
-        h, cross = input_statistics(x[held:], x_fp[held:])
         cand = [choice[f"{prefix}.{block}"]]
-        [result] = quantize_input(layer, shared, cand, h, preset.clip_search)
-        if held:
-            [corrected] = quantize_input(layer, shared, cand, h, preset.clip_search, cross=cross)
+        if not held:
+            [result] = quantize_input(layer, shared, cand, input_statistics(x)[0], preset.clip_search)
+        else:
+            h_fit, cross = input_statistics(x[held:], x_fp[held:])
             h_held, cross_held = input_statistics(x[:held], x_fp[:held])
-            result = min((result, corrected), key=lambda r: sum(
+            h_all = (h_fit * (x.shape[0] - held) + h_held * held) / x.shape[0]
+            options = (quantize_input(layer, shared, cand, h_all, preset.clip_search)[0],
+                       quantize_input(layer, shared, cand, h_fit, preset.clip_search, cross=cross)[0])
+            result = min(options, key=lambda r: sum(
                 drift_error(layer.get_submodule(n).weight, qm.dequantized(), h_held, cross_held)
                 for n, qm in r.items()))
         for name, qm in result.items():

@@ -203,3 +203,36 @@ def test_killed_conversion_resumes_and_output_is_never_half_written(tiny_llama_d
             assert set(a.keys()) == set(b.keys())
             for key in a.keys():
                 assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+
+
+def test_drift_correction_brings_a_layer_fed_drifted_inputs_closer_to_full_precision(tiny_llama_dir):
+    import dataclasses
+
+    from qrun.convert.forward import LayerRunner, Rows, build_layer
+    from qrun.convert.gptq import Candidate
+    from qrun.convert.measure import PRESETS
+    from qrun.convert.quantize import quantize_layer
+    from qrun.kernels.rotary import rotary_cos_sin
+    from qrun.loader import load_model
+
+    loaded = load_model(tiny_llama_dir, dtype="float32", device="cpu")
+    config = loaded.config
+    layer = build_layer(config, {k: v for k, v in loaded.model.layers[1].state_dict().items()})
+    g = torch.Generator().manual_seed(0)
+    rows, length = 12, 64
+    fp_rows = Rows(torch.randn(rows, length, config.hidden_size, generator=g), None)
+    # what quantized layers upstream deliver: the same states, systematically distorted
+    distortion = torch.randn(config.hidden_size, config.hidden_size, generator=g) / config.hidden_size ** 0.5
+    drifted = Rows(fp_rows.x + 0.3 * fp_rows.x @ distortion, None)
+    runner = LayerRunner(config, rotary_cos_sin(config.rope_inv_freq(), config.max_model_len, torch.device("cpu")),
+                         length, chunk_rows=4)
+    cand = Candidate(32, ((3, 1.0),))
+    choice = {"layers.1.attn": cand, "layers.1.mlp": cand}
+    errors = {}
+    for correct in (False, True):
+        preset = dataclasses.replace(PRESETS["default"], correct_drift=correct, clip_search=False)
+        _, entry, out, fp_out = quantize_layer(layer, runner, drifted, fp_rows, choice, "layers.1", preset, {})
+        held = preset.score_rows  # never part of the fit
+        errors[correct] = (out.x - fp_out.x)[:held].pow(2).sum().item()  # the MLP block's output
+        assert entry["mlp"]["drift"] > 0 and entry["mlp"]["error"] > 0
+    assert errors[True] < 0.9 * errors[False]
