@@ -45,14 +45,10 @@ def write_index(final_dir: Path, total: int) -> int:
     return size
 
 
-def write_tokenizer(source, final_dir: Path) -> None:
+def write_tokenizer(source, tokenizer, final_dir: Path) -> None:
+    """The source's tokenizer files; a GGUF's tokenizer (built from its vocabulary) is saved."""
     if source.kind == "gguf":
-        from qrun.gguf import open_gguf
-
-        gguf = open_gguf(source.path)
-        gguf.tokenizer().save(str(final_dir / "tokenizer.json"))
-        tok_config = {k: v for k, v in gguf.tokenizer_config.items() if v is not None}
-        atomic_write_text(final_dir / "tokenizer_config.json", json.dumps(tok_config, indent=1))
+        tokenizer.save(final_dir)
         return
     for name in TOKENIZER_FILES:
         if (source.path / name).is_file():

@@ -255,7 +255,7 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
             "calibration": calib_summary, "preset": preset, "file_bytes": file_bytes, "modules": modules,
         }
         write_config(hf_config, quant_config, final_dir)
-        write_tokenizer(source, final_dir)
+        write_tokenizer(source, tokenizer, final_dir)
         (final_dir / "measurement.json").write_text(json.dumps(measurement_doc, indent=1))
         publish(final_dir, out, job.dir, force)
     wall = time.time() - start

@@ -77,7 +77,7 @@ class Preset:
 
 
 PRESETS = {
-    "fast": Preset(CANDIDATES_FAST, 12, 256, 2, False, False),
+    "fast": Preset(CANDIDATES_FAST, 8, 256, 1, False, False),
     "default": Preset(CANDIDATES_DEFAULT, 32, 512, 2, True, True),
     "best": Preset(CANDIDATES_BEST, 128, 512, 8, True, True),
 }

@@ -64,7 +64,7 @@ def input_statistics(x: torch.Tensor, x_fp: torch.Tensor | None = None):
     return acc.hessian(), None if x_fp is None else (x_fp - x).T @ x / x.shape[0]
 
 
-def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows, choice: dict[str, Candidate],
+def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows | None, choice: dict[str, Candidate],
                    prefix: str, preset: Preset, measured: dict[str, float]):
     """GPTQ one layer's matrices in forward order along the quantized model's own stream.
 
@@ -72,25 +72,29 @@ def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows, choice
     the quantized attention block's output; then down_proj. Each sees the inputs the finished
     model will give it, and aims at the full-precision model's output on its own stream (rows of
     the full-precision model, `fp_rows`), so every matrix also corrects the drift of what came
-    before. Returns (quantized matrices, report entry, next rows, next fp rows)."""
-    captured: dict[str, list[torch.Tensor]] = {name: [] for name in SHARED_INPUTS}
-    fp_next, _ = runner.run(layer, fp_rows, {name: xs.append for name, xs in captured.items()})
-    fp_inputs = {name: torch.cat(xs) for name, xs in captured.items()}
-    del captured
+    before. Without `fp_rows` (no drift correction) every matrix aims at its own unquantized
+    output. Returns (quantized matrices, report entry, next rows, next fp rows or None)."""
+    fp_next, fp_inputs = None, None
+    if fp_rows is not None:
+        captured: dict[str, list[torch.Tensor]] = {name: [] for name in SHARED_INPUTS}
+        fp_next, _ = runner.run(layer, fp_rows, {name: xs.append for name, xs in captured.items()})
+        fp_inputs = {name: torch.cat(xs) for name, xs in captured.items()}
+        del captured
     qlayer = copy.deepcopy(layer)
     quantized: dict[str, QuantizedMatrix] = {}
 
     def quantize(block: str, shared: str, x: torch.Tensor) -> None:
         # The score rows are held out of the correction's fit and decide whether it helps; plain
         # GPTQ sees every row, which only biases that decision toward no correction.
-        x_fp, x = fp_inputs[shared].flatten(0, -2), x.flatten(0, -2)
-        held = preset.score_rows * runner.row_len if preset.correct_drift else 0
+        x = x.flatten(0, -2)
+        held = preset.score_rows * runner.row_len if fp_inputs is not None else 0
         if held >= x.shape[0]:
             held = 0  # too few rows to hold any out: no correction
         cand = [choice[f"{prefix}.{block}"]]
         if not held:
             [result] = quantize_input(layer, shared, cand, input_statistics(x)[0], preset.clip_search)
         else:
+            x_fp = fp_inputs[shared].flatten(0, -2)
             h_fit, cross = input_statistics(x[held:], x_fp[held:])
             h_held, cross_held = input_statistics(x[:held], x_fp[:held])
             h_all = (h_fit * (x.shape[0] - held) + h_held * held) / x.shape[0]
@@ -116,7 +120,8 @@ def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows, choice
     entry = {}
     for block, x, block_input in (("attn", h, "attn_in"), ("mlp", h2, "mlp_in")):
         name = f"{prefix}.{block}"
-        score, score_fp = x[:preset.score_rows], fp_inputs[block_input][:preset.score_rows]
+        score = x[:preset.score_rows]
+        score_fp = score if fp_inputs is None else fp_inputs[block_input][:preset.score_rows]
         target = runner.block_output(layer, block, score_fp)
         err = relative_error(runner.block_output(qlayer, block, score), target)
         drift = relative_error(runner.block_output(layer, block, score), target)
@@ -134,9 +139,10 @@ def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, s
     qdir = job.sub("quantize")
     done = job.get("quantize_done", -1)
     report = job.get("report", [])
-    fp_rows = rows
+    fp_rows = rows if preset.correct_drift else None  # the full-precision model's stream
     if done >= 0:
-        rows, fp_rows = load_rows(qdir / f"state_{done:04d}.pt"), load_rows(qdir / f"fp_state_{done:04d}.pt")
+        rows = load_rows(qdir / f"state_{done:04d}.pt")
+        fp_rows = load_rows(qdir / f"fp_state_{done:04d}.pt") if preset.correct_drift else None
     total_shards = config.num_layers + 1
     task = progress.stage("quantize", config.num_layers, completed=done + 1)
     for i in range(done + 1, config.num_layers):
@@ -146,7 +152,8 @@ def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, s
                                                          measured)
         atomic_save(layer_tensors(i, layer, quantized), final_dir / shard_name(i, total_shards))
         # Named by layer: a kill between the two saves never pairs states of different layers.
-        save_rows(fp_rows, qdir / f"fp_state_{i:04d}.pt")
+        if fp_rows is not None:
+            save_rows(fp_rows, qdir / f"fp_state_{i:04d}.pt")
         save_rows(rows, qdir / f"state_{i:04d}.pt")
         report.append({"layer": i, **entry})
         job.state["report"] = report

@@ -31,6 +31,7 @@ class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict[str, Any],
                  eos_token_ids: list[int]):
         self._tok = tokenizer
+        self.config = tokenizer_config
         self.bos_token = _token_text(tokenizer_config.get("bos_token"))
         self.eos_token = _token_text(tokenizer_config.get("eos_token"))
         self.chat_template: str | None = tokenizer_config.get("chat_template")
@@ -68,6 +69,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def save(self, folder: Path) -> None:
+        """tokenizer.json and tokenizer_config.json, as from_folder reads them."""
+        self._tok.save(str(folder / "tokenizer.json"))
+        config = {k: v for k, v in self.config.items() if v is not None}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode() of each text, in parallel across cores."""

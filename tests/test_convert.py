@@ -228,11 +228,13 @@ def test_drift_correction_brings_a_layer_fed_drifted_inputs_closer_to_full_preci
                          length, chunk_rows=4)
     cand = Candidate(32, ((3, 1.0),))
     choice = {"layers.1.attn": cand, "layers.1.mlp": cand}
+    preset = dataclasses.replace(PRESETS["default"], clip_search=False)
+    fp_out, _ = runner.run(layer, fp_rows)
+    held = preset.score_rows  # rows never part of the correction's fit
     errors = {}
     for correct in (False, True):
-        preset = dataclasses.replace(PRESETS["default"], correct_drift=correct, clip_search=False)
-        _, entry, out, fp_out = quantize_layer(layer, runner, drifted, fp_rows, choice, "layers.1", preset, {})
-        held = preset.score_rows  # never part of the fit
+        _, entry, out, _ = quantize_layer(layer, runner, drifted, fp_rows if correct else None, choice, "layers.1",
+                                          preset, {})
         errors[correct] = (out.x - fp_out.x)[:held].pow(2).sum().item()  # the MLP block's output
-        assert entry["mlp"]["drift"] > 0 and entry["mlp"]["error"] > 0
+        assert entry["mlp"]["error"] > 0 and (entry["mlp"]["drift"] > 0) == correct
     assert errors[True] < 0.9 * errors[False]
