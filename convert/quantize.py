@@ -124,7 +124,7 @@ def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows | None,
         score_fp = score if fp_inputs is None else fp_inputs[block_input][:preset.score_rows]
         target = runner.block_output(layer, block, score_fp)
         err = relative_error(runner.block_output(qlayer, block, score), target)
-        drift = relative_error(runner.block_output(layer, block, score), target)
+        drift = 0.0 if fp_inputs is None else relative_error(runner.block_output(layer, block, score), target)
         check_error(name, err, drift, measured.get(name))
         parts = [quantized[n] for shared in BLOCKS[block] for n in SHARED_INPUTS[shared]]
         entry[block] = {"candidate": choice[name].name, "error": err, "drift": drift, "measured": measured.get(name),
