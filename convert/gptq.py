@@ -224,10 +224,13 @@ def drift_corrected(w: torch.Tensor, h: torch.Tensor, cross: torch.Tensor, damp:
     Since ||W X_fp - V X_q||^2 = ||(W* - V) X_q||^2 + const, GPTQ of W* on h makes each layer
     undo the drift the quantized layers before it caused instead of reproducing it. Where
     nothing has drifted (D = 0) W* is exactly W."""
-    k = h.shape[0]
-    hd = h + torch.eye(k) * damp * torch.diag(h).mean()
-    chol = torch.linalg.cholesky(hd)
+    chol = torch.linalg.cholesky(_damped(h, damp))
     return w + torch.cholesky_solve(cross.T @ w.T, chol).T
+
+
+def _damped(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """H + damp * mean(diag H) * I: GPTQ's damping, relative to the Hessian's scale."""
+    return h + torch.eye(h.shape[0], dtype=h.dtype) * damp * torch.diag(h).mean()
 
 
 def drift_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, cross: torch.Tensor) -> float:
@@ -287,9 +290,8 @@ def act_order_permutation(diag: torch.Tensor, g: int, mode: bool | str) -> torch
 
 def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     k = h.shape[0]
-    diag_mean = torch.mean(torch.diag(h))
     for attempt in range(4):
-        hd = h + torch.eye(k, dtype=h.dtype) * damp * (10 ** attempt) * diag_mean
+        hd = _damped(h, damp * 10 ** attempt)
         # The upper Cholesky factor U of H^-1 (H^-1 = U^T U) without forming H^-1: with J the
         # reversal, J H J = M M^T gives H = R R^T for the upper R = J M J, so U = R^-1.
         try:
