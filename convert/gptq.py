@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qrun.convert.packing import BIT_WIDTHS, MatrixLayout, pack_matrix
-
+from qrun.convert.packing import BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix
+from qrun.kernels.dequant_matmul import MIN_LEVELS, SCALE_LEVELS
 
 
 class QuantizationError(RuntimeError):
@@ -82,38 +82,76 @@ class Candidate:
 
 
 @dataclass
+class CodeGrid:
+    """The 8-bit grids a matrix's group scales and mins live on: one float16 range per output
+    column (docs/FORMAT.md), so each group parameter costs 8 bits instead of 16."""
+
+    scale_max: torch.Tensor  # [N] float16
+    min_absmax: torch.Tensor | None  # [N] float16, asymmetric only
+
+    @classmethod
+    def covering(cls, scales: torch.Tensor, mins: torch.Tensor | None) -> "CodeGrid":
+        """The finest grid that holds the given group scales and mins [G, N]."""
+        return cls(_column_range(scales), None if mins is None else _column_range(mins))
+
+    @property
+    def steps(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 value of one scale code and one min code per column (as the kernels compute it)."""
+        mstep = None if self.min_absmax is None else self.min_absmax.float() / MIN_LEVELS
+        return self.scale_max.float() / SCALE_LEVELS, mstep
+
+    def columns(self, cols: slice) -> "CodeGrid":
+        return CodeGrid(self.scale_max[cols].contiguous(),
+                        None if self.min_absmax is None else self.min_absmax[cols].contiguous())
+
+
+def _column_range(values: torch.Tensor) -> torch.Tensor:
+    return values.abs().amax(0).clamp(min=torch.finfo(torch.float16).tiny).half()
+
+
+def _snap(values: torch.Tensor, step: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Values on the code grid of `step` (per row), codes clamped to [lo, hi]."""
+    return (values / step).round_().clamp_(lo, hi).mul_(step)
+
+
+@dataclass
 class QuantizedMatrix:
     layout: MatrixLayout
     q: torch.Tensor  # [K, N] unsigned ints, permuted order
-    scales: torch.Tensor  # [G, N] float16
-    mins: torch.Tensor | None  # [G, N] float16
+    scales: torch.Tensor  # [G, N] float32, on grid's scale codes
+    mins: torch.Tensor | None  # [G, N] float32, on grid's min codes
     perm: torch.Tensor  # [K] long
+    grid: CodeGrid
     extra: dict = field(default_factory=dict)
 
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K] in original input order."""
-        g = self.layout.group_size
-        s = self.scales.float().repeat_interleave(g, 0)
-        if self.mins is not None:
-            w = self.q.float() * s + self.mins.float().repeat_interleave(g, 0)
-        else:
-            mid = torch.tensor(self.layout.group_bits).repeat_interleave(g).float().exp2()[:, None] / 2
-            w = (self.q.float() - mid) * s
+        w = dequantize_groups(self.q, torch.tensor(self.layout.group_bits), self.layout.group_size,
+                              self.scales, self.mins)
         out = torch.empty(self.layout.out_features, self.layout.in_features)
         out[:, self.perm] = w.T
         return out
 
+    def columns(self, cols: slice, layout: MatrixLayout) -> "QuantizedMatrix":
+        """The result for a range of output columns (a matrix quantized together with others)."""
+        return QuantizedMatrix(layout, self.q[:, cols].contiguous(), self.scales[:, cols].contiguous(),
+                               None if self.mins is None else self.mins[:, cols].contiguous(), self.perm,
+                               self.grid.columns(cols))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The packed tensors as written to disk (docs/FORMAT.md)."""
+        sstep, mstep = self.grid.steps
         out = {
             "qweight": pack_matrix(self.q, self.layout),
             "qgroups": self.layout.qgroups(),
-            "scales": self.scales.contiguous(),
+            "scales": (self.scales / sstep).round().to(torch.uint8),
+            "scale_max": self.grid.scale_max,
         }
         if self.layout.permuted:
             out["perm"] = self.perm.to(self.layout.perm_dtype)
         if self.mins is not None:
-            out["mins"] = self.mins.contiguous()
+            out["mins"] = (self.mins / mstep).round().to(torch.int8)
+            out["min_absmax"] = self.grid.min_absmax
         return out
 
 
@@ -129,12 +167,14 @@ def _levels(bits, like: torch.Tensor):
     return float((1 << bits) - 1), float(1 << (bits - 1))
 
 
-def group_params(w: torch.Tensor, bits, asym: bool, clip_search: bool,
-                 weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and min) per row of w [N, G] as float16, optionally searching a clipping ratio.
+def group_params(w: torch.Tensor, bits, asym: bool, clip_search: bool, weight: torch.Tensor | None = None,
+                 steps: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and min) per row of w [N, G] (float32), optionally searching a clipping ratio.
 
     `bits` is an int or a tensor [N] of per-row widths. `weight` [G] weighs each column's
-    squared error in the clip search (e.g. the Hessian diagonal).
+    squared error in the clip search (e.g. the Hessian diagonal). `steps` (CodeGrid.steps, per
+    row) puts scale and min on their 8-bit grids before they are judged and returned.
     """
     maxq, half = _levels(bits, w)
     xmin = w.min(1).values if asym else w.min(1).values.clamp(max=0)
@@ -144,16 +184,17 @@ def group_params(w: torch.Tensor, bits, asym: bool, clip_search: bool,
     for p in ratios:
         if asym:
             lo, hi = xmin * p, xmax * p
-            s = ((hi - lo) / maxq).clamp(min=1e-8).half()
-            m = lo.half()
+            s, m = ((hi - lo) / maxq).clamp(min=1e-8), lo
         else:
-            s = (torch.maximum(-xmin / half, xmax / (half - 1)) * p).clamp(min=1e-8).half()
-            m = None
+            s, m = (torch.maximum(-xmin / half, xmax / (half - 1)) * p).clamp(min=1e-8), None
+        if steps is not None:
+            s = _snap(s, steps[0], 1, SCALE_LEVELS)
+            m = None if m is None else _snap(m, steps[1], -MIN_LEVELS, MIN_LEVELS)
         if len(ratios) == 1:
             return s, m
-        sf = s.float()[:, None]
+        sf = s[:, None]
         if asym:
-            mf = m.float()[:, None]
+            mf = m[:, None]
             deq = (w - mf).div_(sf).round_().clamp_(min=torch.zeros_like(sf), max=_col(maxq)).mul_(sf).add_(mf)
         else:
             deq = (w / sf).round_().clamp_(min=-_col(half), max=_col(half) - 1).mul_(sf)
@@ -180,23 +221,37 @@ def rtn_quantize(w: torch.Tensor, cand: Candidate, clip_search: bool = False) ->
     n, k = w.shape
     layout = Candidate(cand.group_size, cand.bits, cand.asym, act_order=False).layout(k, n)
     g = layout.group_size
+    grid = code_grid(w.T, list(layout.group_bits), g, cand.asym)
     q = torch.empty(k, n, dtype=torch.int64)
-    scales = torch.empty(layout.num_groups, n, dtype=torch.float16)
-    mins = torch.empty(layout.num_groups, n, dtype=torch.float16) if cand.asym else None
+    scales = torch.empty(layout.num_groups, n)
+    mins = torch.empty(layout.num_groups, n) if cand.asym else None
     for gi, bits in enumerate(layout.group_bits):
         cols = w[:, gi * g:(gi + 1) * g]
-        s, m = group_params(cols, bits, cand.asym, clip_search)
+        s, m = group_params(cols, bits, cand.asym, clip_search, steps=grid.steps)
         scales[gi] = s
         if mins is not None:
             mins[gi] = m
         maxq = (1 << bits) - 1
         if m is not None:
-            qq = ((cols - m.float()[:, None]) / s.float()[:, None]).round().clamp(0, maxq)
+            qq = ((cols - m[:, None]) / s[:, None]).round().clamp(0, maxq)
         else:
             half = 1 << (bits - 1)
-            qq = (cols / s.float()[:, None]).round().clamp(-half, half - 1) + half
+            qq = (cols / s[:, None]).round().clamp(-half, half - 1) + half
         q[gi * g:(gi + 1) * g] = qq.T.long()
-    return QuantizedMatrix(layout, q, scales, mins, torch.arange(k))
+    return QuantizedMatrix(layout, q, scales, mins, torch.arange(k), grid)
+
+
+def code_grid(rows: torch.Tensor, group_bits: list, g: int, asym: bool) -> CodeGrid:
+    """The grid covering round-to-nearest group parameters of `rows` [K, C] (inputs as rows,
+    groups of g; group_bits: a width, or a tensor [C] of widths, per group).
+
+    GPTQ fixes the grid from the unquantized weights although its error feedback moves them
+    afterwards: a group that outgrows its column's range clips at the top code. Measured on
+    SmolLM2 matrices, widening the grid to avoid that (10%, 25%) only loses resolution."""
+    params = [group_params(rows[gi * g:(gi + 1) * g].T, bits, asym, clip_search=False)
+              for gi, bits in enumerate(group_bits)]
+    return CodeGrid.covering(torch.stack([s for s, _ in params]),
+                             torch.stack([m for _, m in params]) if asym else None)
 
 
 class HessianAccumulator:
@@ -324,8 +379,10 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
     row_bits = torch.tensor([lay.group_bits for lay in layouts], dtype=torch.float32)  # [c, groups]
     W = w[:, perm].T.contiguous().repeat(1, c)  # [K, c*N]: row = one input column of every copy
     q = torch.empty(k, c * n, dtype=torch.uint8)
-    scales = torch.empty(groups, c * n, dtype=torch.float16)
-    mins = torch.empty(groups, c * n, dtype=torch.float16) if asym else None
+    grid = code_grid(W, [row_bits[:, gi].repeat_interleave(n) for gi in range(groups)], g, asym)
+    steps = grid.steps
+    scales = torch.empty(groups, c * n)
+    mins = torch.empty(groups, c * n) if asym else None
     block = max(g, (block_size // g) * g)
     pivots = hinv.diagonal().tolist()  # Python floats: no tensor made per column
     for i1 in range(0, k, block):
@@ -338,11 +395,11 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
             if col % g == 0:
                 gi = col // g
                 bits = row_bits[:, gi].repeat_interleave(n)
-                s, m = group_params(w1[i:i + g].T, bits, asym, clip_search, hdiag[col:col + g])
-                scales[gi], sf = s, s.float()
+                sf, mf = group_params(w1[i:i + g].T, bits, asym, clip_search, hdiag[col:col + g], steps)
+                scales[gi] = sf
                 maxq, half = _levels(bits, sf)
                 if asym:
-                    mins[gi], mf = m, m.float()
+                    mins[gi] = mf
                     inv, lo, hi = 1 / sf, torch.zeros_like(sf), maxq
                 else:
                     lo, hi = -half, half - 1
@@ -362,14 +419,10 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
                 w1[run_end:].addmm_(hinv1[run, run_end:].T, err1[run], alpha=-1)
         if i2 < k:
             W[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)
-    if not torch.isfinite(scales.float()).all():
+    if not torch.isfinite(scales).all():
         raise QuantizationError("GPTQ produced non-finite scales (weights or Hessian hold NaN/inf)")
-    out = []
-    for j, lay in enumerate(layouts):
-        sl = slice(j * n, (j + 1) * n)
-        out.append(QuantizedMatrix(lay, q[:, sl].long(), scales[:, sl].contiguous(),
-                                   None if mins is None else mins[:, sl].contiguous(), perm))
-    return out
+    stacked = QuantizedMatrix(layouts[0], q.long(), scales, mins, perm, grid)
+    return [stacked.columns(slice(j * n, (j + 1) * n), lay) for j, lay in enumerate(layouts)]
 
 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:

@@ -24,13 +24,13 @@ from qrun.convert.gptq import Candidate
 from qrun.convert.job import ConvertError, Job, load_other_tensors, split_source
 from qrun.convert.measure import PRESETS, block_bits, block_weights, run_measurement
 from qrun.convert.optimize import bpw_range, optimize
-from qrun.convert.packing import BIT_WIDTHS
+from qrun.convert.packing import BIT_WIDTHS, FORMAT_VERSION
 from qrun.convert.quantize import quantize_head, run_quantize
 from qrun.errors import ModelLoadError
 from qrun.kernels.rotary import rotary_cos_sin
 
 MAX_BPW = 8.0
-MEASUREMENT_VERSION = 2
+MEASUREMENT_VERSION = 3
 
 
 class Progress:
@@ -132,7 +132,7 @@ def _load_measurement(path: Path, config) -> tuple[list[dict], list[Candidate]]:
         raise ConvertError(f"measurement file {path} is malformed ({err})") from None
     if data.get("version") != MEASUREMENT_VERSION:
         raise ConvertError(f"measurement file {path} is version {data.get('version')}; this qrun reads version "
-                           f"{MEASUREMENT_VERSION} (it scores candidates by KL): measure again without --measurement")
+                           f"{MEASUREMENT_VERSION} (its bit counts predate 8-bit group scales): measure again without --measurement")
     if len(blocks) != 2 * config.num_layers:
         raise ConvertError(f"measurement file {path} has {len(blocks)} blocks; this model has {2 * config.num_layers}")
     return blocks, cands
@@ -248,7 +248,7 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
         total_bits = sum(e[b]["bits"] for e in report for b in ("attn", "mlp"))
         total_weights = sum(e[b]["weights"] for e in report for b in ("attn", "mlp"))
         quant_config = {
-            "quant_method": "qrun-exl", "version": 1, "target_bpw": bits,
+            "quant_method": "qrun-exl", "version": FORMAT_VERSION, "target_bpw": bits,
             "achieved_bpw": round(total_bits / total_weights, 5), "predicted_kl": round(predicted_kl, 5),
             "head_bits": head_bits,
             "head_bpw": round(head_layout.bpw(), 5) if head_layout else None,

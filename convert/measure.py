@@ -30,8 +30,9 @@ def _c(g, bits, asym=False, act_order=True):
 
 # EXL2-style: widest codes on the most important input groups, in descending runs. "g128" is
 # snapped per matrix to the largest multiple of 32 dividing K (96 for K = 576). 4-bit group-32
-# asymmetric in the original column order reproduces a Q4_1 source exactly at ~5.0 bpw; the
-# group-act-order g32 mixes keep that block grid while moving bits between whole blocks.
+# asymmetric in the original column order reproduces a Q4_1 source up to its 8-bit scale codes
+# at ~4.56 bpw; the group-act-order g32 mixes keep that block grid while moving bits between
+# whole blocks (down to 3/2-bit halves, ~3.1 bpw).
 _SYM_LOW = [_c(128, [(2, 1.0)]), _c(128, [(3, 0.5), (2, 0.5)]), _c(128, [(3, 1.0)]),
             _c(128, [(4, 0.5), (3, 0.5)]), _c(128, [(4, 1.0)])]
 _SYM_HIGH = [_c(128, [(6, 1.0)]), _c(128, [(8, 1.0)])]
@@ -48,6 +49,8 @@ CANDIDATES_DEFAULT = _SYM_LOW + _SYM_HIGH + [
     _c(32, [(4, 1.0)], asym=True, act_order=False),
     _c(32, [(4, 0.25), (3, 0.75)], asym=True, act_order="group"),
     _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
+    _c(32, [(3, 1.0)], asym=True, act_order="group"),
+    _c(32, [(3, 0.5), (2, 0.5)], asym=True, act_order="group"),
 ]
 CANDIDATES_BEST = CANDIDATES_DEFAULT + [
     _c(128, [(5, 1.0)]),
@@ -87,11 +90,7 @@ def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]
     """A GPTQ result for concatenated outputs -> one result per original matrix."""
     out, start = [], 0
     for n in sizes:
-        layout = dataclasses.replace(qm.layout, out_features=n)
-        out.append(QuantizedMatrix(layout, qm.q[:, start:start + n].contiguous(),
-                                   qm.scales[:, start:start + n].contiguous(),
-                                   None if qm.mins is None else qm.mins[:, start:start + n].contiguous(),
-                                   qm.perm))
+        out.append(qm.columns(slice(start, start + n), dataclasses.replace(qm.layout, out_features=n)))
         start += n
     return out
 

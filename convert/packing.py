@@ -8,7 +8,8 @@ A quantized linear of shape [N out, K in] stores, in *permuted* input order (act
   words: row j of the run sits at bit j*b of the run's little-endian b-word bit string (a value
   may straddle two words).
 - qgroups int32 [n_groups, 2]: (bits, first qweight row) of each group.
-- scales float16 [n_groups, N]; mins float16 [n_groups, N] when asymmetric.
+- scales uint8 [n_groups, N] with scale_max float16 [N]; when asymmetric also mins int8
+  [n_groups, N] with min_absmax float16 [N] (8-bit codes against a range per output column).
 - perm int16 (int32 when K > 32767) [K]: permuted row i is original input column perm[i];
   absent when the rows are in the original order (no act-order), which saves 16/N bpw.
 """
@@ -21,6 +22,7 @@ import torch
 
 from qrun.kernels.dequant_matmul import unpack_rows
 
+FORMAT_VERSION = 2  # quantization_config.version: 2 stores group scales and mins as 8-bit codes
 BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
 CHUNK = 32  # rows packed together: 32 values of b bits fill exactly b words
 
@@ -87,12 +89,14 @@ class MatrixLayout:
         shapes = {
             "qweight": ((self.qweight_rows, n), torch.int32),
             "qgroups": ((g, 2), torch.int32),
-            "scales": ((g, n), torch.float16),
+            "scales": ((g, n), torch.uint8),
+            "scale_max": ((n,), torch.float16),
         }
         if self.permuted:
             shapes["perm"] = ((self.in_features,), self.perm_dtype)
         if self.asym:
-            shapes["mins"] = ((g, n), torch.float16)
+            shapes["mins"] = ((g, n), torch.int8)
+            shapes["min_absmax"] = ((n,), torch.float16)
         return shapes
 
     def storage_bits(self) -> int:
@@ -161,9 +165,8 @@ def unpack_matrix(qweight: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
 
 def dequantize_groups(q: torch.Tensor, group_bits: torch.Tensor, group_size: int,
                       scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    """Unsigned q [K, N] (permuted order) -> float32 weights [K, N] (permuted order).
-
-    Asymmetric: w = q * scale + min. Symmetric: w = (q - 2^(bits-1)) * scale.
+    """Unsigned q [K, N] (permuted order) and each group's float scale and min [G, N] -> float32
+    weights [K, N] (permuted order). Asymmetric: w = q * scale + min. Symmetric: w = (q - 2^(bits-1)) * scale.
     """
     s = scales.float().repeat_interleave(group_size, 0)
     if mins is not None:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 
 CHUNK = 32
+# Group scales and mins are 8-bit codes against one float16 range per output column:
+# scale = code / SCALE_LEVELS * scale_max[n] (uint8), min = code / MIN_LEVELS * min_absmax[n] (int8).
+SCALE_LEVELS = 255
+MIN_LEVELS = 127
 
 
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -28,14 +32,22 @@ def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     return out.reshape(chunks * CHUNK, n)
 
 
-def dequantize_ref(qweight: torch.Tensor, qgroups: torch.Tensor, scales: torch.Tensor,
-                   mins: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def group_values(codes: torch.Tensor, column_range: torch.Tensor, levels: int) -> torch.Tensor:
+    """8-bit group codes [G, N] -> float32 values: code * (column_range[n] / levels)."""
+    return codes.float() * (column_range.float() / levels)
+
+
+def dequantize_ref(qweight: torch.Tensor, qgroups: torch.Tensor, scales: torch.Tensor, scale_max: torch.Tensor,
+                   mins: torch.Tensor | None, min_absmax: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """Packed weights -> float32 [K, N] in permuted input order.
 
     qweight int32 [R, N]; qgroups int32 [G, 2] = (bits, first qweight row) per group;
-    scales [G, N]; mins [G, N] or None. Asymmetric groups: w = q*scale + min; symmetric:
+    scales uint8 [G, N] with scale_max float16 [N]; mins int8 [G, N] with min_absmax float16 [N],
+    or both None (values: `group_values`). Asymmetric groups: w = q*scale + min; symmetric:
     w = (q - 2^(bits-1)) * scale.
     """
+    scales = group_values(scales, scale_max, SCALE_LEVELS)
+    mins = None if mins is None else group_values(mins, min_absmax, MIN_LEVELS)
     groups = qgroups.tolist()
     n = qweight.shape[1]
     out = torch.empty(len(groups) * group_size, n, dtype=torch.float32, device=qweight.device)
@@ -47,9 +59,9 @@ def dequantize_ref(qweight: torch.Tensor, qgroups: torch.Tensor, scales: torch.T
             end += 1
         words = (end - g) * group_size * bits // CHUNK
         q = unpack_rows(qweight[row:row + words], bits).float()
-        s = scales[g:end].float().repeat_interleave(group_size, 0)
+        s = scales[g:end].repeat_interleave(group_size, 0)
         if mins is not None:
-            w = q * s + mins[g:end].float().repeat_interleave(group_size, 0)
+            w = q * s + mins[g:end].repeat_interleave(group_size, 0)
         else:
             w = (q - float(1 << (bits - 1))) * s
         out[g * group_size:end * group_size] = w
@@ -62,16 +74,17 @@ def dequant_matmul_ref(
     qweight: torch.Tensor,
     qgroups: torch.Tensor,
     scales: torch.Tensor,
+    scale_max: torch.Tensor,
     mins: torch.Tensor | None,
+    min_absmax: torch.Tensor | None,
     perm: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ W.T (+ bias), W given packed; computed in float32, returned in x.dtype.
-
-    perm [K] (int16/int32): packed row i multiplies input column perm[i].
+    """y[M, N] = x[M, K] @ W.T (+ bias), W given packed (see dequantize_ref); computed in
+    float32, returned in x.dtype. perm [K] (int16/int32): packed row i multiplies input column perm[i].
     """
-    w = dequantize_ref(qweight, qgroups, scales, mins, group_size)
+    w = dequantize_ref(qweight, qgroups, scales, scale_max, mins, min_absmax, group_size)
     y = x[:, perm.long()].float() @ w
     if bias is not None:
         y = y + bias.float()
@@ -87,7 +100,8 @@ def dequant_matmul_ref(
 # chunk: row j of a chunk is the `bits`-wide field at bit j*bits of the chunk's words, read as
 # (lo >> s) | (hi << (32 - s)) where it straddles two words. A chunk's words for BLOCK_N columns
 # are gathered once per program (the repeated rows of the gather hit L1), dequantized to fp32
-# with the group's scale/min, and multiplied with the activations gathered through `perm`.
+# with the group's scale/min (8-bit codes times the column's step), and multiplied with the
+# activations gathered through `perm`.
 #
 # - GEMV path (M <= 4, decode): no tensor cores, an fp32 broadcast-multiply-reduce into an
 #   [M, BLOCK_N] accumulator; the grid is (N / BLOCK_N, SPLIT_K) where SPLIT_K cuts the groups
@@ -98,6 +112,29 @@ def dequant_matmul_ref(
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+_SCALE_LEVELS = tl.constexpr(SCALE_LEVELS)
+_MIN_LEVELS = tl.constexpr(MIN_LEVELS)
+
+
+@triton.jit
+def _column_steps(smax_ptr, mmax_ptr, cols, col_mask, HAS_MINS: tl.constexpr):
+    """Each column's value of one scale code and of one min code (fp32 [BLOCK_N])."""
+    sstep = tl.load(smax_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) / _SCALE_LEVELS
+    mstep = sstep
+    if HAS_MINS:
+        mstep = tl.load(mmax_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) / _MIN_LEVELS
+    return sstep, mstep
+
+
+@triton.jit
+def _group_params(scales_ptr, mins_ptr, offset, cols, col_mask, sstep, mstep, HAS_MINS: tl.constexpr):
+    """One group's fp32 scale and min [BLOCK_N] from its 8-bit codes (min = scale without mins)."""
+    scale = tl.load(scales_ptr + offset + cols, mask=col_mask, other=0).to(tl.float32) * sstep
+    minv = scale
+    if HAS_MINS:
+        minv = tl.load(mins_ptr + offset + cols, mask=col_mask, other=0).to(tl.float32) * mstep
+    return scale, minv
 
 
 @triton.jit
@@ -123,7 +160,7 @@ def _dequant_chunk(qw_ptr, stride_qw, word0, bits, cols, col_mask, scale, minv, 
 
 @triton.jit
 def _dq_gemv_kernel(
-    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, mins_ptr, perm_ptr, part_ptr,
+    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, smax_ptr, mins_ptr, mmax_ptr, perm_ptr, part_ptr,
     M, N, num_groups, groups_per_split,
     stride_xm, stride_qw, stride_s, stride_pk, stride_pm,
     GROUP_SIZE: tl.constexpr, HAS_MINS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -136,15 +173,13 @@ def _dq_gemv_kernel(
     m_mask = rows_m < M
     j = tl.arange(0, 32)
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    sstep, mstep = _column_steps(smax_ptr, mmax_ptr, cols, col_mask, HAS_MINS)
     g_lo = split * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
     for g in range(g_lo, g_hi):
         bits = tl.load(qgroups_ptr + 2 * g)
         word0 = tl.load(qgroups_ptr + 2 * g + 1)
-        scale = tl.load(scales_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
-        minv = scale
-        if HAS_MINS:
-            minv = tl.load(mins_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        scale, minv = _group_params(scales_ptr, mins_ptr, g * stride_s, cols, col_mask, sstep, mstep, HAS_MINS)
         for c in range(GROUP_SIZE // 32):
             w = _dequant_chunk(qw_ptr, stride_qw, word0 + c * bits, bits, cols, col_mask, scale, minv, HAS_MINS)
             k_idx = tl.load(perm_ptr + g * GROUP_SIZE + c * 32 + j).to(tl.int64)
@@ -156,7 +191,7 @@ def _dq_gemv_kernel(
 
 @triton.jit
 def _dq_mm_kernel(
-    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, mins_ptr, perm_ptr, bias_ptr, y_ptr,
+    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, smax_ptr, mins_ptr, mmax_ptr, perm_ptr, bias_ptr, y_ptr,
     M, N, num_groups,
     stride_xm, stride_qw, stride_s, stride_ym,
     M_BUCKET,  # unused by the kernel: the autotuner's key, so M need not match exactly
@@ -171,14 +206,12 @@ def _dq_mm_kernel(
     col_mask = cols < N
     j = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sstep, mstep = _column_steps(smax_ptr, mmax_ptr, cols, col_mask, HAS_MINS)
     x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm
     for g in range(0, num_groups):
         bits = tl.load(qgroups_ptr + 2 * g)
         word0 = tl.load(qgroups_ptr + 2 * g + 1)
-        scale = tl.load(scales_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
-        minv = scale
-        if HAS_MINS:
-            minv = tl.load(mins_ptr + g * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        scale, minv = _group_params(scales_ptr, mins_ptr, g * stride_s, cols, col_mask, sstep, mstep, HAS_MINS)
         for c in range(GROUP_SIZE // 32):
             w = _dequant_chunk(qw_ptr, stride_qw, word0 + c * bits, bits, cols, col_mask, scale, minv, HAS_MINS)
             k_idx = tl.load(perm_ptr + g * GROUP_SIZE + c * 32 + j).to(tl.int64)
@@ -238,7 +271,9 @@ def dequant_matmul_triton(
     qweight: torch.Tensor,
     qgroups: torch.Tensor,
     scales: torch.Tensor,
+    scale_max: torch.Tensor,
     mins: torch.Tensor | None,
+    min_absmax: torch.Tensor | None,
     perm: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
@@ -251,8 +286,9 @@ def dequant_matmul_triton(
     assert num_groups * group_size == k, "perm / group layout does not cover x's columns"
     if x.stride(-1) != 1:
         x = x.contiguous()
-    qweight, qgroups, scales = qweight.contiguous(), qgroups.contiguous(), scales.contiguous()
+    qweight, qgroups, scales, scale_max = (t.contiguous() for t in (qweight, qgroups, scales, scale_max))
     mins_arg = mins.contiguous() if mins is not None else scales
+    min_absmax_arg = min_absmax.contiguous() if mins is not None else scale_max
     perm = perm.contiguous()
     interpreted = type(_dq_mm_kernel).__name__ == "InterpretedFunction"
     if m == 0:
@@ -266,7 +302,7 @@ def dequant_matmul_triton(
         split_k = triton.cdiv(num_groups, groups_per_split)
         part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         _dq_gemv_kernel[(n_blocks, split_k)](
-            x, qweight, qgroups, scales, mins_arg, perm, part,
+            x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm, part,
             m, n, num_groups, groups_per_split,
             x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1),
             GROUP_SIZE=group_size, HAS_MINS=mins is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
@@ -278,7 +314,8 @@ def dequant_matmul_triton(
 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     common = dict(GROUP_SIZE=group_size, HAS_MINS=mins is not None, HAS_BIAS=bias is not None)
-    args = (x, qweight, qgroups, scales, mins_arg, perm, bias if bias is not None else scales, y,
+    args = (x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm,
+            bias if bias is not None else scale_max, y,
             m, n, num_groups, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
             min(triton.next_power_of_2(m), 4096))
     if interpreted:

@@ -145,9 +145,10 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(params[name].shape)}"
             )
-        # Packed integer tensors of quantized layers keep their own dtype.
-        target = dtype if params[name].is_floating_point() else params[name].dtype
         module_name, _, attr = name.rpartition(".")
+        # Packed tensors of quantized layers (and their float16 code ranges) keep their own dtype.
+        keeps_dtype = attr in getattr(model.get_submodule(module_name), "stored_dtype_params", ())
+        target = dtype if params[name].is_floating_point() and not keeps_dtype else params[name].dtype
         setattr(model.get_submodule(module_name), attr,
                 nn.Parameter(tensor.to(device=device, dtype=target), requires_grad=False))
         loaded.add(name)

@@ -21,9 +21,11 @@ import os
 import torch
 from torch import nn
 
-from qrun.convert.packing import MatrixLayout
+from qrun.convert.packing import FORMAT_VERSION, MatrixLayout
+from qrun.errors import ModelLoadError
 from qrun.kernels import backend, ops_for
-from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequantize_ref
+from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref,
+                                         group_values)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 CPU_MODES = ("fast", "ref")
@@ -39,6 +41,9 @@ def cpu_mode() -> str:
 class QuantLinear(nn.Module):
     """y = x W^T + b with W stored packed (mixed bits per input group, act-order permutation)."""
 
+    # Loaded as written, whatever the model's dtype: the codes' ranges are float16 by format.
+    stored_dtype_params = ("scale_max", "min_absmax")
+
     def __init__(self, layout: MatrixLayout, bias: bool = False, dtype: torch.dtype = torch.float16):
         super().__init__()
         self.layout = layout
@@ -48,7 +53,7 @@ class QuantLinear(nn.Module):
             tensor = torch.zeros(shape, dtype=tdtype)
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         if not layout.asym:
-            self.mins = None
+            self.mins = self.min_absmax = None
         if not layout.permuted:
             self.perm = None
         self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -69,9 +74,13 @@ class QuantLinear(nn.Module):
             self._identity = torch.arange(self.in_features, dtype=self.layout.perm_dtype, device=self.qweight.device)
         return self._identity
 
+    def packed(self) -> tuple:
+        """(qweight, qgroups, scales, scale_max, mins, min_absmax): the dequant_matmul arguments."""
+        return self.qweight, self.qgroups, self.scales, self.scale_max, self.mins, self.min_absmax
+
     def dequantized_weight(self) -> torch.Tensor:
         """float32 [N, K] in original input order."""
-        w = dequantize_ref(self.qweight, self.qgroups, self.scales, self.mins, self.group_size)
+        w = dequantize_ref(*self.packed(), self.group_size)
         dense = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=w.device)
         dense[:, self.input_perm().long()] = w.T
         return dense
@@ -80,11 +89,9 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if backend(x.device) == "triton":
-            y = ops_for(x.device).dequant_matmul(x2, self.qweight, self.qgroups, self.scales, self.mins,
-                                                  self.input_perm(), self.group_size, self.bias)
+            y = ops_for(x.device).dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         elif cpu_mode() == "ref":
-            y = dequant_matmul_ref(x2, self.qweight, self.qgroups, self.scales, self.mins, self.input_perm(),
-                                   self.group_size, self.bias)
+            y = dequant_matmul_ref(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         else:
             y = self._forward_cpu_fast(x2)
         return y.reshape(*shape[:-1], self.out_features)
@@ -103,7 +110,7 @@ class QuantLinear(nn.Module):
                       and self.out_features % 16 == 0 and hi_groups < len(bits))
         if not lo_is_int4:
             hi_groups = len(bits)
-        w = dequantize_ref(self.qweight, self.qgroups, self.scales, self.mins, g)  # [K, N] permuted
+        w = dequantize_ref(*self.packed(), g)  # [K, N] permuted
         k_hi = hi_groups * g
         dense_hi = w[:k_hi].T.contiguous().to(torch.bfloat16) if k_hi else None
         low = None
@@ -112,11 +119,13 @@ class QuantLinear(nn.Module):
 
             q_parts, sz = [], []
             groups = self.qgroups.tolist()
+            scales = group_values(self.scales, self.scale_max, SCALE_LEVELS)
+            mins = None if self.mins is None else group_values(self.mins, self.min_absmax, MIN_LEVELS)
             for gi in range(hi_groups, len(groups)):
                 b, row = groups[gi]
                 q_parts.append(unpack_rows(self.qweight[row:row + g * b // 32], b))
-                s = self.scales[gi].float()
-                zero = self.mins[gi].float() + 8 * s if self.mins is not None else (8 - (1 << (b - 1))) * s
+                s = scales[gi]
+                zero = mins[gi] + 8 * s if mins is not None else (8 - (1 << (b - 1))) * s
                 sz.append(torch.stack([s, zero], -1))
             q = torch.cat(q_parts).T.contiguous().to(torch.int32)  # [N, K_lo]
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -151,10 +160,11 @@ def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]
     """Layouts of the quantized linears named in config.json's quantization_config."""
     qconfig = hf_config["quantization_config"]
     if qconfig.get("quant_method") != "qrun-exl":
-        from qrun.errors import ModelLoadError
-
         raise ModelLoadError(f"unsupported quantization method {qconfig.get('quant_method')!r}; "
                              "qrun loads its own 'qrun-exl' format (qrun convert)")
+    if qconfig.get("version") != FORMAT_VERSION:
+        raise ModelLoadError(f"this model is in qrun-exl format version {qconfig.get('version')}; this qrun reads "
+                             f"version {FORMAT_VERSION} (8-bit group scales): convert it again with `qrun convert`")
     layouts = {}
     for name, spec in qconfig.get("modules", {}).items():
         short = name.removeprefix("model.")
@@ -171,6 +181,4 @@ def swap_quantized_linears(model: nn.Module, hf_config: dict) -> None:
         old = getattr(parent, attr)
         setattr(parent, attr, QuantLinear(layout, bias=old.bias is not None))
     if "lm_head" in module_layouts(hf_config, model) and getattr(model.config, "tie_word_embeddings", False):
-        from qrun.errors import ModelLoadError
-
         raise ModelLoadError("quantization_config quantizes lm_head of a tied model; the file is inconsistent")

@@ -125,6 +125,30 @@ def test_measurement_from_an_older_version_asks_to_measure_again(converted, tiny
     assert not (tmp_path / "o").exists()
 
 
+def test_model_in_an_older_format_version_asks_to_convert_again(converted, tmp_path):
+    import shutil
+
+    from qrun.errors import ModelLoadError
+    from qrun.loader import load_model
+
+    old = tmp_path / "old"
+    shutil.copytree(converted[0], old)
+    config = json.loads((old / "config.json").read_text())
+    config["quantization_config"]["version"] = 1
+    (old / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="convert it again"):
+        load_model(old, device="cpu")
+
+
+def test_scale_ranges_stay_float16_in_a_bfloat16_model(converted):
+    from qrun.loader import load_model
+
+    model = load_model(converted[0], dtype="bfloat16", device="cpu").model
+    q_proj = model.layers[0].self_attn.q_proj
+    assert q_proj.scale_max.dtype == torch.float16 and q_proj.scales.dtype == torch.uint8
+    assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+
+
 def test_existing_output_is_refused_without_force(converted, tiny_llama_dir, calib_file):
     out, _ = converted
     before = (out / "config.json").read_bytes()

@@ -76,7 +76,11 @@ def test_more_bits_for_important_groups_lowers_error_at_equal_storage():
     assert output_error(w, mixed.dequantized(), h) < output_error(w, uniform.dequantized(), h)
 
 
-def test_weights_on_a_q4_1_grid_are_reproduced_exactly_by_4bit_g32_asym():
+def relative_weight_error(w_hat: torch.Tensor, w: torch.Tensor) -> float:
+    return float((w_hat - w).square().sum() / w.square().sum())
+
+
+def test_weights_on_a_q4_1_grid_are_reproduced_to_code_precision_by_4bit_g32_asym():
     g = torch.Generator().manual_seed(3)
     d = (torch.rand(96, 4, generator=g) * 0.02 + 0.001).half().float()
     m = (-torch.rand(96, 4, generator=g) * 0.1).half().float()
@@ -86,12 +90,14 @@ def test_weights_on_a_q4_1_grid_are_reproduced_exactly_by_4bit_g32_asym():
     x = correlated_inputs(128, 512)
     acc = HessianAccumulator(128)
     acc.add(x)
-    for order in (False, "group"):  # group act-order moves whole blocks: the grid stays exact
+    three_bit = relative_weight_error(rtn_quantize(w, Candidate(32, ((3, 1.0),), asym=True)).dequantized(), w)
+    for order in (False, "group"):  # group act-order moves whole blocks: the grid stays intact
         result = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True, act_order=order))
-        assert torch.equal(result.dequantized(), w)
-        assert 5.0 <= result.layout.bpw() < 5.2
+        # Only the 8-bit scale and min codes round: far below a bit less per weight.
+        assert relative_weight_error(result.dequantized(), w) < three_bit / 20
+        assert result.layout.bpw() < 5.0  # a float16 scale and min per group alone would be 5.0
     column_order = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True))
-    assert not torch.equal(column_order.dequantized(), w)
+    assert relative_weight_error(column_order.dequantized(), w) > three_bit / 10
 
 
 def test_packed_tensors_reproduce_the_quantized_matrix():
@@ -101,7 +107,8 @@ def test_packed_tensors_reproduce_the_quantized_matrix():
     acc.add(x)
     result = gptq_quantize(w, acc.hessian(), Candidate(64, ((8, 0.34), (5, 0.33), (2, 0.33)), asym=True))
     t = result.tensors()
-    y = dequant_matmul_ref(x, t["qweight"], t["qgroups"], t["scales"], t.get("mins"), t["perm"], 64)
+    y = dequant_matmul_ref(x, t["qweight"], t["qgroups"], t["scales"], t["scale_max"], t.get("mins"),
+                           t.get("min_absmax"), t["perm"], 64)
     torch.testing.assert_close(y, x @ result.dequantized().T, rtol=1e-4, atol=1e-3)
 
 
@@ -138,7 +145,7 @@ def test_candidates_quantized_together_equal_quantized_alone():
 
 
 @pytest.mark.slow
-def test_smollm2_q4_1_weights_are_reproduced_exactly_at_about_five_bits(smollm2_gguf):
+def test_smollm2_q4_1_weights_are_reproduced_to_code_precision_at_about_four_and_a_half_bits(smollm2_gguf):
     from qrun.gguf import open_gguf
 
     wanted = {"model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"}
@@ -150,11 +157,10 @@ def test_smollm2_q4_1_weights_are_reproduced_exactly_at_about_five_bits(smollm2_
             break
     for name, w in found.items():
         k = w.shape[1]
-        acc = HessianAccumulator(k)
-        acc.add(correlated_inputs(k, 256, seed=5))
-        result = gptq_quantize(w, acc.hessian(), Candidate(32, ((4, 1.0),), asym=True, act_order=False))
-        assert torch.equal(result.dequantized(), w), name
-        assert result.layout.bpw() == 5.0 + 2 / w.shape[0]  # no perm: only qgroups beyond Q4_1 itself
+        result = rtn_quantize(w, Candidate(32, ((4, 1.0),), asym=True))
+        assert relative_weight_error(result.dequantized(), w) < 3e-4, name  # 1e-4 measured
+        # Codes plus two float16 ranges per output column and the qgroups; no perm.
+        assert result.layout.bpw() == 4.5 + 32 / k + 2 / w.shape[0]
 
 
 def test_optimizer_meets_the_budget_and_prefers_low_error():

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from qrun.convert.packing import (BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix,
                                   pack_run, unpack_matrix)
-from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequantize_ref, unpack_rows
+from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref, group_values,
+                                         unpack_rows)
 
 
 @settings(max_examples=60, deadline=None)
@@ -31,15 +32,19 @@ def test_mixed_width_matrix_round_trips_and_reference_matmul_agrees(group_size, 
     qweight = pack_matrix(q, layout)
     assert qweight.shape == (layout.qweight_rows, n)
     assert torch.equal(unpack_matrix(qweight, layout), q)
-    scales = (torch.rand(groups, n, generator=gen) + 0.1).half()
-    mins = (torch.randn(groups, n, generator=gen)).half() if asym else None
-    w = dequantize_groups(q, torch.tensor(bits), group_size, scales, mins)
-    assert torch.equal(dequantize_ref(qweight, layout.qgroups(), scales, mins, group_size), w)
+    scales = torch.randint(1, SCALE_LEVELS + 1, (groups, n), generator=gen).to(torch.uint8)
+    scale_max = (torch.rand(n, generator=gen) + 0.1).half()
+    mins = torch.randint(-MIN_LEVELS, MIN_LEVELS + 1, (groups, n), generator=gen).to(torch.int8) if asym else None
+    min_absmax = (torch.rand(n, generator=gen) + 0.1).half() if asym else None
+    w = dequantize_groups(q, torch.tensor(bits), group_size, group_values(scales, scale_max, SCALE_LEVELS),
+                          None if mins is None else group_values(mins, min_absmax, MIN_LEVELS))
+    packed = (qweight, layout.qgroups(), scales, scale_max, mins, min_absmax)
+    assert torch.equal(dequantize_ref(*packed, group_size), w)
     perm = torch.randperm(layout.in_features, generator=gen).to(layout.perm_dtype)
     x = torch.randn(3, layout.in_features, generator=gen)
     dense = torch.empty(n, layout.in_features)
     dense[:, perm.long()] = w.T  # original column perm[i] holds permuted row i
-    y = dequant_matmul_ref(x, qweight, layout.qgroups(), scales, mins, perm, group_size)
+    y = dequant_matmul_ref(x, *packed, perm, group_size)
     torch.testing.assert_close(y, x @ dense.T, rtol=1e-4, atol=1e-4)
 
 
@@ -60,9 +65,10 @@ def test_three_bit_value_straddling_words_is_split_low_bits_first():
 
 def test_storage_bits_counts_every_tensor():
     layout = MatrixLayout(576, 1536, 32, (4,) * 18, True)
-    expected = 576 * 1536 * 4 + 2 * 18 * 1536 * 16 + 18 * 2 * 32 + 576 * 16
+    # codes: 4-bit weights, 8-bit scale and min per group; float16 scale_max and min_absmax per column
+    expected = 576 * 1536 * 4 + 2 * 18 * 1536 * 8 + 2 * 1536 * 16 + 18 * 2 * 32 + 576 * 16
     assert layout.storage_bits() == expected
-    assert layout.bpw() == pytest.approx(5.0, abs=0.04)
+    assert layout.bpw() == pytest.approx(4.5 + 32 / 576, abs=0.02)
 
 
 def test_layout_rejects_impossible_groupings():

@@ -326,10 +326,12 @@ def _packed_matrix(k, n, group_size, bits, asym, seed):
     gen = torch.Generator().manual_seed(seed)
     layout = MatrixLayout(k, n, group_size, tuple(bits), asym)
     q = torch.cat([torch.randint(0, 1 << b, (group_size, n), generator=gen) for b in bits])
-    scales = (torch.rand(len(bits), n, generator=gen) * 0.05 + 0.01).half()
-    mins = (-torch.rand(len(bits), n, generator=gen) * 0.2).half() if asym else None
+    scales = torch.randint(1, 256, (len(bits), n), generator=gen).to(torch.uint8)
+    scale_max = (torch.rand(n, generator=gen) * 0.05 + 0.01).half()
+    mins = torch.randint(-127, 128, (len(bits), n), generator=gen).to(torch.int8) if asym else None
+    min_absmax = (torch.rand(n, generator=gen) * 0.2).half() if asym else None
     perm = torch.randperm(k, generator=gen).to(layout.perm_dtype)
-    return pack_matrix(q, layout), layout.qgroups(), scales, mins, perm
+    return pack_matrix(q, layout), layout.qgroups(), scales, scale_max, mins, min_absmax, perm
 
 
 @pytest.mark.parametrize("m", [1, 3, 37])
@@ -339,13 +341,13 @@ def _packed_matrix(k, n, group_size, bits, asym, seed):
 def test_dequant_matmul(m, dtype, asym, group_size):
     bits = [8, 6, 5, 4, 3, 2] if group_size == 32 else [8, 5, 3]
     k, n = group_size * len(bits), 70
-    qweight, qgroups, scales, mins, perm = _packed_matrix(k, n, group_size, bits, asym, seed=m + group_size)
+    packed = _packed_matrix(k, n, group_size, bits, asym, seed=m + group_size)
     gen = torch.Generator().manual_seed(100 + m)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).half() if asym else None
-    expected = dm.dequant_matmul_ref(x.float(), qweight, qgroups, scales, mins, perm, group_size, bias)
-    on = [t.to(DEVICE) if t is not None else None for t in (x, qweight, qgroups, scales, mins, perm, bias)]
-    got = dm.dequant_matmul_triton(*on[:6], group_size, on[6])
+    expected = dm.dequant_matmul_ref(x.float(), *packed, group_size, bias)
+    on = [t.to(DEVICE) if t is not None else None for t in (x, *packed, bias)]
+    got = dm.dequant_matmul_triton(*on[:-1], group_size, on[-1])
     assert got.dtype == dtype and got.shape == (m, n)
     scale = expected.abs().max()
     _close(got.cpu() / scale, expected / scale, TOL[dtype])
