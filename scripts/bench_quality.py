@@ -51,10 +51,8 @@ def fake_quant_rtn(ref_name: str, bits: int) -> tuple[object, float]:
             lin = layer.get_submodule(name)
             qm = rtn_quantize(lin.weight.data, Candidate(128, ((bits, 1.0),)))
             lin.weight.data = qm.dequantized()
-            n, k = lin.weight.shape
-            # RTN needs no permutation: values + one fp16 scale per group and output
-            total_bits += bits * n * k + 16 * qm.layout.num_groups * n
-            total_weights += n * k
+            total_bits += qm.layout.storage_bits()  # original column order: no perm
+            total_weights += qm.layout.in_features * qm.layout.out_features
     return loaded, total_bits / total_weights
 
 
@@ -127,6 +125,9 @@ def main() -> int:
                              "converted at exactly each uniform baseline's bpw")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a busy 2-core machine)")
+    parser.add_argument("--ref-cache", default=None,
+                        help="keep the reference's log-probabilities in this file, so parallel or later runs "
+                             "over the same texts skip the reference pass")
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--speed-model", default=None, help="converted folder to time (default: the 4.0 one)")
     args = parser.parse_args()
@@ -157,8 +158,13 @@ def main() -> int:
         if args.results:
             Path(args.results).write_text(json.dumps(results, indent=1))
 
-    ref_cache: dict = {}  # reference log-probs per window: the reference runs once
+    ref_file = Path(args.ref_cache) if args.ref_cache else None
+    # Reference log-probs per window: the reference runs once (once ever with --ref-cache).
+    ref_cache: dict = torch.load(ref_file) if ref_file and ref_file.is_file() else {}
     score("reference (Q4_1 dequantized)", ref, 32.0)
+    if ref_file and not ref_file.is_file():
+        torch.save(ref_cache, ref_file.with_suffix(".partial"))
+        ref_file.with_suffix(".partial").rename(ref_file)
     measurement = Path(args.measurement) if args.measurement else None
     for target in args.targets:
         out = work / f"mixed-{target}-{args.preset}"
