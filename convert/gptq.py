@@ -421,6 +421,7 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
             W[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1)
     if not torch.isfinite(scales).all():
         raise QuantizationError("GPTQ produced non-finite scales (weights or Hessian hold NaN/inf)")
+    # Every candidate's copy side by side; only ever sliced into one result per candidate.
     stacked = QuantizedMatrix(layouts[0], q.long(), scales, mins, perm, grid)
     return [stacked.columns(slice(j * n, (j + 1) * n), lay) for j, lay in enumerate(layouts)]
 

@@ -196,7 +196,8 @@ def main() -> int:
             score(f"RTN {bits}b g128(64)", model, rtn_bpw)
             del model
             out = work / f"mixed-at-uniform-{bits}"
-            summary = convert(MODEL, out, bits=bpw + 0.005, preset=args.preset, force=True, measurement=measurement,
+            # Exactly the uniform model's bits: the optimizer never goes above its target.
+            summary = convert(MODEL, out, bits=bpw, preset=args.preset, force=True, measurement=measurement,
                               quiet=True)
             score(f"qrun mixed GPTQ @{bpw:.3f}", load_model(str(out), dtype="float32", device="cpu"),
                   summary["achieved_bpw"])
