@@ -132,7 +132,8 @@ def _load_measurement(path: Path, config) -> tuple[list[dict], list[Candidate]]:
         raise ConvertError(f"measurement file {path} is malformed ({err})") from None
     if data.get("version") != MEASUREMENT_VERSION:
         raise ConvertError(f"measurement file {path} is version {data.get('version')}; this qrun reads version "
-                           f"{MEASUREMENT_VERSION} (its bit counts predate 8-bit group scales): measure again without --measurement")
+                           f"{MEASUREMENT_VERSION} (its bit counts predate 8-bit group scales): "
+                           "measure again without --measurement")
     if len(blocks) != 2 * config.num_layers:
         raise ConvertError(f"measurement file {path} has {len(blocks)} blocks; this model has {2 * config.num_layers}")
     return blocks, cands
