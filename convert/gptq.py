@@ -222,12 +222,13 @@ def rtn_quantize(w: torch.Tensor, cand: Candidate, clip_search: bool = False) ->
     layout = Candidate(cand.group_size, cand.bits, cand.asym, act_order=False).layout(k, n)
     g = layout.group_size
     grid = code_grid(w.T, list(layout.group_bits), g, cand.asym)
+    steps = grid.steps
     q = torch.empty(k, n, dtype=torch.int64)
     scales = torch.empty(layout.num_groups, n)
     mins = torch.empty(layout.num_groups, n) if cand.asym else None
     for gi, bits in enumerate(layout.group_bits):
         cols = w[:, gi * g:(gi + 1) * g]
-        s, m = group_params(cols, bits, cand.asym, clip_search, steps=grid.steps)
+        s, m = group_params(cols, bits, cand.asym, clip_search, steps=steps)
         scales[gi] = s
         if mins is not None:
             mins[gi] = m

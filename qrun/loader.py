@@ -146,11 +146,11 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
                 f"config.json implies {tuple(params[name].shape)}"
             )
         module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
         # Packed tensors of quantized layers (and their float16 code ranges) keep their own dtype.
-        keeps_dtype = attr in getattr(model.get_submodule(module_name), "stored_dtype_params", ())
+        keeps_dtype = attr in getattr(module, "stored_dtype_params", ())
         target = dtype if params[name].is_floating_point() and not keeps_dtype else params[name].dtype
-        setattr(model.get_submodule(module_name), attr,
-                nn.Parameter(tensor.to(device=device, dtype=target), requires_grad=False))
+        setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=target), requires_grad=False))
         loaded.add(name)
     missing = sorted(expected - loaded)
     if missing:
