@@ -14,6 +14,7 @@ import torch
 
 from qrun.convert.packing import BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix
 from qrun.kernels.dequant_matmul import MIN_LEVELS, SCALE_LEVELS
+from qrun.kernels.rotation import pack_signs, random_signs, rotate, unrotate
 
 
 class QuantizationError(RuntimeError):
@@ -25,13 +26,17 @@ class Candidate:
     """One way to quantize a matrix: groups of `group_size` inputs, widths by fraction of groups.
 
     `bits` lists (width, fraction) with widths descending; with act-order the most important
-    input groups (largest Hessian diagonal) come first and get the widest codes.
+    input groups (largest Hessian diagonal) come first and get the widest codes. `rotate`
+    quantizes in a randomly rotated input basis (kernels/rotation.py): outlier inputs are spread
+    over all inputs, which helps wide groups and low widths and flattens importance (so rotated
+    candidates are uniform in width and usually without act-order).
     """
 
     group_size: int
     bits: tuple[tuple[int, float], ...]
     asym: bool = False
     act_order: bool | str = True  # True: columns by importance; "group": whole groups by importance; False: none
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         widths = [b for b, _ in self.bits]
@@ -46,7 +51,7 @@ class Candidate:
     def name(self) -> str:
         mix = "+".join(f"{b}b{f:g}" if f < 1 else f"{b}b" for b, f in self.bits)
         order = {True: "", False: ":noact", "group": ":gact"}[self.act_order]
-        return f"{mix}:g{self.group_size}{':asym' if self.asym else ''}{order}"
+        return f"{mix}:g{self.group_size}{':asym' if self.asym else ''}{order}{':rot' if self.rotate else ''}"
 
     @property
     def nominal_bits(self) -> float:
@@ -54,12 +59,12 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"name": self.name, "group_size": self.group_size, "asym": self.asym,
-                "act_order": self.act_order, "bits": [[b, f] for b, f in self.bits]}
+                "act_order": self.act_order, "rotate": self.rotate, "bits": [[b, f] for b, f in self.bits]}
 
     @classmethod
     def from_json(cls, d: dict) -> "Candidate":
         return cls(int(d["group_size"]), tuple((int(b), float(f)) for b, f in d["bits"]),
-                   bool(d["asym"]), d.get("act_order", True))
+                   bool(d["asym"]), d.get("act_order", True), bool(d.get("rotate", False)))
 
     def group_size_for(self, k: int) -> int:
         """The candidate's group size, snapped down to the largest multiple of 32 that divides K
@@ -78,7 +83,8 @@ class Candidate:
             count = round(cumulative * groups) - len(widths)
             widths.extend([b] * max(count, 0))
         widths = widths[:groups] + [self.bits[-1][0]] * (groups - len(widths))
-        return MatrixLayout(k, n, g, tuple(widths), self.asym, permuted=self.act_order is not False)
+        return MatrixLayout(k, n, g, tuple(widths), self.asym, permuted=self.act_order is not False,
+                            rotated=self.rotate)
 
 
 @dataclass
@@ -122,21 +128,22 @@ class QuantizedMatrix:
     mins: torch.Tensor | None  # [G, N] float32, on grid's min codes
     perm: torch.Tensor  # [K] long
     grid: CodeGrid
+    signs: torch.Tensor | None = None  # [K] +-1: the input rotation (rotated layouts only)
     extra: dict = field(default_factory=dict)
 
     def dequantized(self) -> torch.Tensor:
-        """float32 [N, K] in original input order."""
+        """float32 [N, K] in original input order (and basis)."""
         w = dequantize_groups(self.q, torch.tensor(self.layout.group_bits), self.layout.group_size,
                               self.scales, self.mins)
         out = torch.empty(self.layout.out_features, self.layout.in_features)
         out[:, self.perm] = w.T
-        return out
+        return out if self.signs is None else unrotate(out, self.signs)
 
     def columns(self, cols: slice, layout: MatrixLayout) -> "QuantizedMatrix":
         """The result for a range of output columns (a matrix quantized together with others)."""
         return QuantizedMatrix(layout, self.q[:, cols].contiguous(), self.scales[:, cols].contiguous(),
                                None if self.mins is None else self.mins[:, cols].contiguous(), self.perm,
-                               self.grid.columns(cols))
+                               self.grid.columns(cols), self.signs)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The packed tensors as written to disk (docs/FORMAT.md)."""
@@ -149,6 +156,8 @@ class QuantizedMatrix:
         }
         if self.layout.permuted:
             out["perm"] = self.perm.to(self.layout.perm_dtype)
+        if self.signs is not None:
+            out["rotation"] = pack_signs(self.signs)
         if self.mins is not None:
             out["mins"] = (self.mins / mstep).round().to(torch.int8)
             out["min_absmax"] = self.grid.min_absmax
@@ -306,6 +315,7 @@ def gptq_quantize_many(w: torch.Tensor, h: torch.Tensor, cands: list[Candidate],
                        block_size: int = 128, clip_search: bool = True) -> list[QuantizedMatrix]:
     """GPTQ of w [N, K] under each candidate, given the input Hessian h [K, K].
 
+    Rotated candidates quantize W R on R^T H R (the output error is the same in either basis).
     Act-order (columns by descending diag H) when the candidate asks for it; damping of
     `damp` times the mean diagonal; the upper Cholesky factor of H^-1; lazy updates in blocks
     that are a multiple of the group size; each group's scale (and min) computed from the
@@ -318,14 +328,20 @@ def gptq_quantize_many(w: torch.Tensor, h: torch.Tensor, cands: list[Candidate],
     layouts = [c.layout(k, n) for c in cands]
     batches: dict[tuple, list[int]] = {}
     for i, (c, lay) in enumerate(zip(cands, layouts)):
-        batches.setdefault((lay.group_size, c.asym, c.act_order), []).append(i)
+        batches.setdefault((lay.group_size, c.asym, c.act_order, c.rotate), []).append(i)
     results: list[QuantizedMatrix | None] = [None] * len(cands)
-    factors: dict[tuple, tuple] = {}  # one Cholesky per column order, shared by the sweeps using it
-    for (g, asym, act_order), members in batches.items():
-        order_key = (act_order, g if act_order == "group" else None)
+    signs = random_signs(k) if any(c.rotate for c in cands) else None
+    factors: dict[tuple, tuple] = {}  # one Cholesky per basis and column order, shared by the sweeps using it
+    for (g, asym, act_order, rotated), members in batches.items():
+        order_key = (rotated, act_order, g if act_order == "group" else None)
         if order_key not in factors:
-            factors[order_key] = _ordered_factor(w, h, g, act_order, damp)
-        outs = _gptq_sweep(w, factors[order_key], [layouts[i] for i in members], g, asym, block_size, clip_search)
+            if rotated:
+                factors[order_key] = _ordered_factor(rotate(w, signs), rotate(rotate(h, signs).T, signs), g,
+                                                     act_order, damp)
+            else:
+                factors[order_key] = _ordered_factor(w, h, g, act_order, damp)
+        outs = _gptq_sweep(factors[order_key], [layouts[i] for i in members], g, asym, block_size, clip_search,
+                           signs if rotated else None)
         for i, out in zip(members, outs):
             results[i] = out
     return results
@@ -372,7 +388,7 @@ def _ordered_factor(w, h, g, act_order, damp) -> tuple:
     return w, perm, _inverse_factor(h, damp), torch.diag(h)
 
 
-def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[QuantizedMatrix]:
+def _gptq_sweep(factor, layouts, g, asym, block_size, clip_search, signs) -> list[QuantizedMatrix]:
     w, perm, hinv, hdiag = factor
     n, k = w.shape
     c = len(layouts)
@@ -423,7 +439,7 @@ def _gptq_sweep(w, factor, layouts, g, asym, block_size, clip_search) -> list[Qu
     if not torch.isfinite(scales).all():
         raise QuantizationError("GPTQ produced non-finite scales (weights or Hessian hold NaN/inf)")
     # Every candidate's copy side by side; only ever sliced into one result per candidate.
-    stacked = QuantizedMatrix(layouts[0], q.long(), scales, mins, perm, grid)
+    stacked = QuantizedMatrix(layouts[0], q.long(), scales, mins, perm, grid, signs)
     return [stacked.columns(slice(j * n, (j + 1) * n), lay) for j, lay in enumerate(layouts)]
 
 

@@ -12,6 +12,9 @@ A quantized linear of shape [N out, K in] stores, in *permuted* input order (act
   [n_groups, N] with min_absmax float16 [N] (8-bit codes against a range per output column).
 - perm int16 (int32 when K > 32767) [K]: permuted row i is original input column perm[i];
   absent when the rows are in the original order (no act-order), which saves 16/N bpw.
+- rotation uint8 [K/8] (rotated matrices only): the packed signs of the input rotation
+  (kernels/rotation.py); the weights are stored in the rotated basis and inputs are rotated
+  before the matmul.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 
 from qrun.kernels.dequant_matmul import unpack_rows
 
-FORMAT_VERSION = 2  # quantization_config.version: 2 stores group scales and mins as 8-bit codes
+FORMAT_VERSION = 3  # quantization_config.version: 2 stores group scales and mins as 8-bit codes, 3 adds rotations
+READABLE_VERSIONS = (2, 3)  # version 2 is version 3 without rotated matrices
 BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
 CHUNK = 32  # rows packed together: 32 values of b bits fill exactly b words
 
@@ -37,6 +41,7 @@ class MatrixLayout:
     group_bits: tuple[int, ...]  # one entry per group, in permuted order
     asym: bool
     permuted: bool = True  # False: rows in original input order, no perm tensor
+    rotated: bool = False  # True: stored in the rotated input basis, with a rotation tensor
 
     def __post_init__(self) -> None:
         if self.group_size % CHUNK or self.group_size <= 0:
@@ -73,7 +78,7 @@ class MatrixLayout:
 
     def to_json(self) -> dict:
         return {"group_size": self.group_size, "asym": self.asym, "permuted": self.permuted,
-                "bits": [list(r) for r in self.runs()]}
+                "rotated": self.rotated, "bits": [list(r) for r in self.runs()]}
 
     @classmethod
     def from_json(cls, in_features: int, out_features: int, spec: dict) -> "MatrixLayout":
@@ -81,7 +86,7 @@ class MatrixLayout:
         for b, n in spec["bits"]:
             bits.extend([int(b)] * int(n))
         return cls(in_features, out_features, int(spec["group_size"]), tuple(bits), bool(spec["asym"]),
-                   bool(spec.get("permuted", True)))
+                   bool(spec.get("permuted", True)), bool(spec.get("rotated", False)))
 
     def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor this matrix writes: suffix -> (shape, dtype). Biases are not counted."""
@@ -94,6 +99,8 @@ class MatrixLayout:
         }
         if self.permuted:
             shapes["perm"] = ((self.in_features,), self.perm_dtype)
+        if self.rotated:
+            shapes["rotation"] = ((self.in_features // 8,), torch.uint8)
         if self.asym:
             shapes["mins"] = ((g, n), torch.int8)
             shapes["min_absmax"] = ((n,), torch.float16)

@@ -10,6 +10,7 @@ Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`
   the whole matrix runs dense; other multiples of 32 (96, 192) run with their scales repeated on
   the largest size the kernel takes that divides them. Activations run in bfloat16 on this path.
 - CPU, `QRUN_QUANT_CPU=ref`: `dequant_matmul_ref` (float32 dequantize, then matmul).
+A rotated matrix (stored in a rotated input basis) rotates its input first, on every path.
 
 Format of the tensors: docs/FORMAT.md.
 """
@@ -21,11 +22,12 @@ import os
 import torch
 from torch import nn
 
-from qrun.convert.packing import FORMAT_VERSION, MatrixLayout
+from qrun.convert.packing import FORMAT_VERSION, READABLE_VERSIONS, MatrixLayout
 from qrun.errors import ModelLoadError
 from qrun.kernels import backend, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref,
                                          group_values)
+from qrun.kernels.rotation import rotate, unpack_signs, unrotate
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 CPU_MODES = ("fast", "ref")
@@ -56,8 +58,11 @@ class QuantLinear(nn.Module):
             self.mins = self.min_absmax = None
         if not layout.permuted:
             self.perm = None
+        if not layout.rotated:
+            self.rotation = None
         self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
         self._identity: torch.Tensor | None = None
+        self._signs: torch.Tensor | None = None
         self._prepared: tuple | None = None
         self._prepared_key = None
 
@@ -78,16 +83,28 @@ class QuantLinear(nn.Module):
         """(qweight, qgroups, scales, scale_max, mins, min_absmax): the dequant_matmul arguments."""
         return self.qweight, self.qgroups, self.scales, self.scale_max, self.mins, self.min_absmax
 
+    def input_signs(self) -> torch.Tensor | None:
+        """The input rotation's signs (+-1 float32 [K]), None when the matrix is not rotated."""
+        if self.rotation is None:
+            return None
+        if self._signs is None or self._signs.device != self.rotation.device:
+            self._signs = unpack_signs(self.rotation)
+        return self._signs
+
     def dequantized_weight(self) -> torch.Tensor:
-        """float32 [N, K] in original input order."""
+        """float32 [N, K] in original input order and basis."""
         w = dequantize_ref(*self.packed(), self.group_size)
         dense = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=w.device)
         dense[:, self.input_perm().long()] = w.T
-        return dense
+        signs = self.input_signs()
+        return dense if signs is None else unrotate(dense, signs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        signs = self.input_signs()
+        if signs is not None:
+            x2 = rotate(x2, signs)
         if backend(x.device) == "triton":
             y = ops_for(x.device).dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         elif cpu_mode() == "ref":
@@ -162,9 +179,10 @@ def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]
     if qconfig.get("quant_method") != "qrun-exl":
         raise ModelLoadError(f"unsupported quantization method {qconfig.get('quant_method')!r}; "
                              "qrun loads its own 'qrun-exl' format (qrun convert)")
-    if qconfig.get("version") != FORMAT_VERSION:
+    if qconfig.get("version") not in READABLE_VERSIONS:
         raise ModelLoadError(f"this model is in qrun-exl format version {qconfig.get('version')}; this qrun reads "
-                             f"version {FORMAT_VERSION} (8-bit group scales): convert it again with `qrun convert`")
+                             f"versions {READABLE_VERSIONS[0]} to {FORMAT_VERSION} (8-bit group scales): convert it again "
+                             "with `qrun convert`")
     layouts = {}
     for name, spec in qconfig.get("modules", {}).items():
         short = name.removeprefix("model.")

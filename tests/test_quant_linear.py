@@ -31,6 +31,8 @@ def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int 
     (Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5))), 1536, 64),  # wide prefix runs dense
     (Candidate(64, ((6, 1.0),)), 192, 32),  # all dense
     (Candidate(64, ((4, 1.0),)), 192, 40),  # N not a multiple of 16: dense fallback
+    (Candidate(128, ((3, 1.0),), asym=True, act_order=False, rotate=True), 576, 64),  # rotated input
+    (Candidate(64, ((4, 0.5), (3, 0.5)), rotate=True), 1536, 32),  # rotated, then permuted
 ])
 def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n):
     module, result = quant_linear(cand, k, n, bias=True)
@@ -45,8 +47,9 @@ def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n):
     assert rel < 2e-2  # bfloat16 activations, scales and zeros
 
 
-def test_weight_reconstruction_in_original_order():
-    module, result = quant_linear(Candidate(64, ((5, 0.5), (3, 0.5)), asym=True), 256, 32)
+@pytest.mark.parametrize("rotate", [False, True])
+def test_weight_reconstruction_in_original_order_and_basis(rotate):
+    module, result = quant_linear(Candidate(64, ((5, 0.5), (3, 0.5)), asym=True, rotate=rotate), 256, 32)
     torch.testing.assert_close(module.dequantized_weight(), result.dequantized())
 
 

@@ -1,0 +1,97 @@
+"""Input rotation for incoherence processing (QuIP#-style): x -> (x * signs) @ F.
+
+F is a fixed orthogonal K x K matrix with entries of magnitude about 1/sqrt(K): the Kronecker
+product of Sylvester-Hadamard factors (the power-of-two part of K, in factors of at most 64)
+and, for the odd part of K, a discrete Hartley matrix. `signs` (random +-1 per input, stored
+with the matrix) makes the rotation random. A matrix quantized in the rotated basis,
+W' = W R with R = diag(signs) F, has its outlier inputs spread over all inputs, so wide groups
+and low widths lose less; at run time its input is rotated the same way (y = x W^T = (x R) W'^T).
+
+F is applied factor by factor (K * sum of factor sizes multiply-adds per row, a few percent of
+the matmul it precedes), never as a dense K x K matrix. This is plain torch on every backend:
+the small batched matmuls are not worth a kernel of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+MAX_FACTOR = 64
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(n)
+
+
+def _hartley(n: int) -> torch.Tensor:
+    """The orthonormal discrete Hartley transform (symmetric, its own inverse)."""
+    angle = 2 * math.pi * torch.outer(torch.arange(n, dtype=torch.float64), torch.arange(n, dtype=torch.float64)) / n
+    return (angle.cos() + angle.sin()) / math.sqrt(n)
+
+
+def factor_sizes(k: int) -> list[int]:
+    """Sizes of F's Kronecker factors, outermost first: the odd part of K, then powers of two <= 64."""
+    odd, power = k, 1
+    while odd % 2 == 0:
+        odd //= 2
+        power *= 2
+    sizes = [odd] if odd > 1 else []
+    while power > 1:
+        step = min(power, MAX_FACTOR)
+        sizes.append(step)
+        power //= step
+    return sizes
+
+
+@lru_cache(maxsize=None)
+def _factors(k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    sizes = factor_sizes(k)
+    made = [_sylvester(s) if s & (s - 1) == 0 else _hartley(s) for s in sizes]
+    return tuple(f.to(device=device, dtype=dtype) for f in made)
+
+
+def _apply_f(x: torch.Tensor) -> torch.Tensor:
+    """x @ F over the last dimension (F symmetric and orthogonal: F = F^T = F^-1)."""
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    factors = _factors(k, x.device, x.dtype)
+    after = k
+    for f in factors:  # X viewed as [rows, before, d, after]: contract the d axis with f
+        d = f.shape[0]
+        after //= d
+        x = torch.matmul(f.T, x.reshape(-1, d, after))  # f symmetric: f.T == f, written for the maths
+    return x.reshape(*lead, k)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> x R with R = diag(signs) F (signs: +-1 per input, any float or int dtype)."""
+    return _apply_f(x * signs.to(x.dtype))
+
+
+def unrotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """The inverse: x R^T = (x F) * signs."""
+    return _apply_f(x) * signs.to(x.dtype)
+
+
+def random_signs(k: int, seed: int = 0) -> torch.Tensor:
+    """+-1 float32 [K], reproducible from the seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (k,), generator=gen).float().mul_(2).sub_(1)
+
+
+def pack_signs(signs: torch.Tensor) -> torch.Tensor:
+    """+-1 [K] (K a multiple of 8) -> uint8 [K/8], bit j of byte i set where input 8i+j is negative."""
+    bits = (signs < 0).to(torch.int32).reshape(-1, 8)
+    return (bits << torch.arange(8, dtype=torch.int32, device=signs.device)).sum(1).to(torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [K/8] -> +-1 float32 [K]."""
+    bits = (packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1
+    return (1 - 2 * bits).reshape(-1).float()
