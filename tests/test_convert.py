@@ -115,6 +115,22 @@ def test_measurement_is_reused_for_another_target(converted, tiny_llama_dir, cal
     assert summary["achieved_bpw"] <= 3.0
 
 
+def test_low_bit_conversion_uses_rotated_matrices_that_load_and_compute_in_the_original_basis(
+        converted, tiny_llama_dir, calib_file, tmp_path):
+    from qrun.loader import load_model
+
+    out = tmp_path / "q25"
+    convert(tiny_llama_dir, out, bits=2.5, calib=[calib_file], measurement=converted[0] / "measurement.json", **FAST)
+    modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
+    rotated = [name for name, spec in modules.items() if spec["rotated"]]
+    assert rotated  # below 3 bpw the fast preset's rotated candidates are the cheap ones
+    model = load_model(out, dtype="float32", device="cpu").model
+    linear = model.get_submodule(rotated[0].removeprefix("model."))
+    x = torch.randn(3, linear.in_features)
+    ref = x @ linear.dequantized_weight().T
+    assert (linear(x) - ref).norm() / ref.norm() < 2e-2  # the CPU path runs bfloat16 activations
+
+
 def test_measurement_from_an_older_version_asks_to_measure_again(converted, tiny_llama_dir, calib_file, tmp_path):
     doc = json.loads((converted[0] / "measurement.json").read_text())
     doc["version"] = 1
