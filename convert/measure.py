@@ -39,10 +39,10 @@ def _c(g, bits, asym=False, act_order=True, rotate=False):
 _ROTATED = [_c(128, [(2, 1.0)], act_order=False, rotate=True),
             _c(128, [(2, 1.0)], asym=True, act_order=False, rotate=True),
             _c(128, [(3, 1.0)], asym=True, act_order=False, rotate=True)]
-CANDIDATES_FAST = _ROTATED[::2] + [
-    _c(128, [(4, 0.5), (3, 0.5)]),
-    _c(128, [(4, 1.0)]),
-    _c(128, [(8, 1.0)]),
+# Fast: few GPTQ sweeps (one per group size, symmetry, order and basis), since each costs a pass.
+CANDIDATES_FAST = _ROTATED[1:] + [
+    _c(128, [(4, 1.0)], asym=True, act_order=False, rotate=True),
+    _c(128, [(8, 1.0)], asym=True, act_order=False, rotate=True),
     _c(32, [(4, 1.0)], asym=True, act_order=False),
     _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
 ]

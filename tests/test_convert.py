@@ -119,8 +119,8 @@ def test_low_bit_conversion_uses_rotated_matrices_that_load_and_compute_in_the_o
         converted, tiny_llama_dir, calib_file, tmp_path, monkeypatch):
     from qrun.loader import load_model
 
-    out = tmp_path / "q25"
-    convert(tiny_llama_dir, out, bits=2.5, calib=[calib_file], measurement=converted[0] / "measurement.json", **FAST)
+    out = tmp_path / "q28"
+    convert(tiny_llama_dir, out, bits=2.8, calib=[calib_file], measurement=converted[0] / "measurement.json", **FAST)
     modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
     rotated = [name for name, spec in modules.items() if spec["rotated"]]
     assert rotated  # below 3 bpw the fast preset's rotated candidates are the cheap ones
