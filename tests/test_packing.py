@@ -45,7 +45,9 @@ def test_mixed_width_matrix_round_trips_and_reference_matmul_agrees(group_size, 
     dense = torch.empty(n, layout.in_features)
     dense[:, perm.long()] = w.T  # original column perm[i] holds permuted row i
     y = dequant_matmul_ref(x, *packed, perm, group_size)
-    torch.testing.assert_close(y, x @ dense.T, rtol=1e-4, atol=1e-4)
+    # float32 sums of large 8-bit terms cancel: the tolerance follows the terms' size, not the result's
+    atol = 1e-6 * (x.abs() @ dense.abs().T).max().item()
+    torch.testing.assert_close(y, x @ dense.T, rtol=1e-4, atol=atol)
 
 
 def test_four_bit_layout_is_nibbles_in_row_order():
