@@ -173,5 +173,9 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
 
             swap_quantized_linears(net, hf_config)
     load_weights(net, tensors(), torch_dtype, torch_device)
+    if "quantization_config" in hf_config:
+        from qrun.quant import share_input_rotations
+
+        share_input_rotations(net)
     net.eval().requires_grad_(False)
     return LoadedModel(net, config, make_tokenizer(list(config.eos_token_ids)), source, hf_config)

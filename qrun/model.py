@@ -56,6 +56,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        # q/k/v quantized in one rotated basis: the loader puts that rotation here, so x is rotated
+        # once instead of once per projection (qrun/quant.py: share_input_rotations)
+        self.qkv_input = nn.Identity()
         self.scale = self.head_dim ** -0.5
         self.ops = ops
 
@@ -67,6 +70,7 @@ class Attention(nn.Module):
               meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The attention heads' output, concatenated: o_proj's input."""
         tokens = x.shape[0]
+        x = self.qkv_input(x)
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
@@ -86,12 +90,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_input = nn.Identity()  # as Attention.qkv_input, for gate/up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.hidden(x))
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The gated activation: down_proj's input."""
+        x = self.gate_up_input(x)
         return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
 

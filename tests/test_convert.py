@@ -115,20 +115,36 @@ def test_measurement_is_reused_for_another_target(converted, tiny_llama_dir, cal
     assert summary["achieved_bpw"] <= 3.0
 
 
-def test_low_bit_conversion_uses_rotated_matrices_that_load_and_compute_in_the_original_basis(
+def test_low_bit_conversion_uses_rotated_matrices_and_the_model_equals_its_dequantized_weights(
         converted, tiny_llama_dir, calib_file, tmp_path, monkeypatch):
+    from torch import nn
+
     from qrun.loader import load_model
+    from qrun.perplexity import window_logprobs
+    from qrun.quant import QuantLinear
 
     out = tmp_path / "q28"
     convert(tiny_llama_dir, out, bits=2.8, calib=[calib_file], measurement=converted[0] / "measurement.json", **FAST)
     modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
-    rotated = [name for name, spec in modules.items() if spec["rotated"]]
-    assert rotated  # below 3 bpw the fast preset's rotated candidates are the cheap ones
+    assert any(spec["rotated"] for spec in modules.values())  # below 3 bpw the rotated candidates are the cheap ones
     model = load_model(out, dtype="float32", device="cpu").model
-    linear = model.get_submodule(rotated[0].removeprefix("model."))
-    x = torch.randn(3, linear.in_features)
+    assert any(not isinstance(attn.qkv_input, nn.Identity)  # q/k/v share one rotation of their input
+               for attn in (layer.self_attn for layer in model.layers))
+    ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("QRUN_QUANT_CPU", "ref")  # exact float32 (the fast path: test_quant_linear.py)
-    torch.testing.assert_close(linear(x), x @ linear.dequantized_weight().T, rtol=1e-4, atol=1e-4)
+    quantized = window_logprobs(model, ids)
+
+    for module in list(model.modules()):  # the same model with plain linears in the original basis
+        for name, child in module.named_children():
+            if isinstance(child, QuantLinear):
+                dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                dense.weight.data = child.dequantized_weight()
+                if child.bias is not None:
+                    dense.bias.data = child.bias.float()
+                setattr(module, name, dense)
+            elif name in ("qkv_input", "gate_up_input"):
+                setattr(module, name, nn.Identity())
+    torch.testing.assert_close(quantized, window_logprobs(model, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_measurement_from_an_older_version_asks_to_measure_again(converted, tiny_llama_dir, calib_file, tmp_path):
