@@ -56,29 +56,34 @@ def _factors(k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Te
     return tuple(f.to(device=device, dtype=dtype) for f in made)
 
 
-def _apply_f(x: torch.Tensor) -> torch.Tensor:
-    """x @ F over the last dimension (F symmetric and orthogonal: F = F^T = F^-1), in float32
-    (float64 for float64 x).
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    X viewed as [rows, d1, d2, ...]: each factor contracts axis 1 and appends the result as the
-    last axis, so after every factor the axes are back in order. (Batched matmuls of the small
-    factors against bfloat16 views measured 4-10x slower on CPU than these float32 GEMMs.)"""
-    k = x.shape[-1]
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = x.to(dtype).reshape(-1, *factor_sizes(k))
-    for f in _factors(k, x.device, dtype):
-        y = torch.tensordot(y, f, dims=([1], [0]))
-    return y.reshape(x.shape).to(x.dtype)
+
+def _apply_f(y: torch.Tensor) -> torch.Tensor:
+    """y @ F over the last dimension (F symmetric and orthogonal: F = F^T = F^-1), y float32 or 64.
+
+    Y viewed as [rows, d1, d2, ...]: each factor contracts axis 1 and appends the result as the
+    last axis (one transpose-copy and one GEMM), so after every factor the axes are back in order.
+    On CPU this beat tensordot by 1.2-1.5x and batched bfloat16 matmuls of the factors by 4-10x."""
+    shape, k = y.shape, y.shape[-1]
+    rows = y.numel() // k
+    for f in _factors(k, y.device, y.dtype):
+        size = f.shape[0]
+        y = y.reshape(rows, size, k // size).transpose(1, 2).reshape(rows * k // size, size) @ f
+    return y.view(shape)
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> x R with R = diag(signs) F (signs: +-1 per input, any float or int dtype)."""
-    return _apply_f(x * signs.to(x.dtype))
+    dtype = _compute_dtype(x)
+    return _apply_f(x.to(dtype) * signs.to(dtype)).to(x.dtype)
 
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The inverse: x R^T = (x F) * signs."""
-    return _apply_f(x) * signs.to(x.dtype)
+    dtype = _compute_dtype(x)
+    return (_apply_f(x.to(dtype)) * signs.to(dtype)).to(x.dtype)
 
 
 def random_signs(k: int, seed: int = 0) -> torch.Tensor:
