@@ -39,26 +39,29 @@ def _c(g, bits, asym=False, act_order=True, rotate=False):
 _ROTATED = [_c(128, [(2, 1.0)], act_order=False, rotate=True),
             _c(128, [(2, 1.0)], asym=True, act_order=False, rotate=True),
             _c(128, [(3, 1.0)], asym=True, act_order=False, rotate=True)]
+_ROTATED_4B = _c(128, [(4, 1.0)], asym=True, act_order=False, rotate=True)
+_SOURCE_GRID = _c(32, [(4, 1.0)], asym=True, act_order=False)
+_SOURCE_GRID_MIX = _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group")
 # Fast: few GPTQ sweeps (one per group size, symmetry, order and basis), since each costs a pass.
 CANDIDATES_FAST = _ROTATED[1:] + [
-    _c(128, [(4, 1.0)], asym=True, act_order=False, rotate=True),
+    _ROTATED_4B,
     _c(128, [(8, 1.0)], asym=True, act_order=False, rotate=True),
-    _c(32, [(4, 1.0)], asym=True, act_order=False),
-    _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
+    _SOURCE_GRID,
+    _SOURCE_GRID_MIX,
 ]
 CANDIDATES_DEFAULT = _ROTATED + [
     _c(256, [(3, 1.0)], asym=True, act_order=False, rotate=True),
     _c(512, [(3, 1.0)], asym=True, act_order=False, rotate=True),
-    _c(128, [(4, 1.0)], asym=True, act_order=False, rotate=True),
+    _ROTATED_4B,
     _c(128, [(3, 0.5), (2, 0.5)]),
     _c(128, [(3, 0.25), (2, 0.75)]),
     _c(128, [(6, 1.0)]),
     _c(128, [(8, 1.0)]),
     _c(128, [(2, 1.0)], asym=True),
     _c(128, [(3, 1.0)], asym=True),
-    _c(32, [(4, 1.0)], asym=True, act_order=False),
+    _SOURCE_GRID,
     _c(32, [(4, 0.25), (3, 0.75)], asym=True, act_order="group"),
-    _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group"),
+    _SOURCE_GRID_MIX,
     _c(32, [(3, 1.0)], asym=True, act_order="group"),
 ]
 CANDIDATES_BEST = CANDIDATES_DEFAULT + [

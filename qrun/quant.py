@@ -196,7 +196,7 @@ def share_input_rotations(model: nn.Module) -> None:
 
     The converter quantizes q/k/v (and gate/up) together, so in a rotated block they share one
     rotation; applied per projection it cost 40% of the rotations of a decode step."""
-    for module in model.modules():
+    for module in list(model.modules()):  # the loop replaces submodules
         for slot, names in SHARED_INPUTS.items():
             linears = [getattr(module, name, None) for name in names]
             if not hasattr(module, slot) or not all(isinstance(lin, QuantLinear) and lin.rotates_input

@@ -41,7 +41,7 @@ def converted(tiny_llama_dir, calib_file, tmp_path_factory) -> tuple[Path, dict]
 def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
     from qrun.llm import LLM
     from qrun.loader import load_model
-    from qrun.quant import QuantLinear
+    from qrun.quant import SHARED_INPUTS, QuantLinear
     from qrun.sampling_params import SamplingParams
 
     out, summary = converted
@@ -121,7 +121,7 @@ def test_low_bit_conversion_uses_rotated_matrices_and_the_model_equals_its_dequa
 
     from qrun.loader import load_model
     from qrun.perplexity import window_logprobs
-    from qrun.quant import QuantLinear
+    from qrun.quant import SHARED_INPUTS, QuantLinear
 
     out = tmp_path / "q28"
     convert(tiny_llama_dir, out, bits=2.8, calib=[calib_file], measurement=converted[0] / "measurement.json", **FAST)
@@ -142,7 +142,7 @@ def test_low_bit_conversion_uses_rotated_matrices_and_the_model_equals_its_dequa
                 if child.bias is not None:
                     dense.bias.data = child.bias.float()
                 setattr(module, name, dense)
-            elif name in ("qkv_input", "gate_up_input"):
+            elif name in SHARED_INPUTS:
                 setattr(module, name, nn.Identity())
     torch.testing.assert_close(quantized, window_logprobs(model, ids), rtol=1e-4, atol=1e-4)
 
