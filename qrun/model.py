@@ -59,6 +59,8 @@ class Attention(nn.Module):
         # q/k/v quantized in one rotated basis: the loader puts that rotation here, so x is rotated
         # once instead of once per projection (qrun/quant.py: share_input_rotations)
         self.qkv_input = nn.Identity()
+        self.qkv_proj: nn.Module | None = None  # q/k/v as one matmul (fuse_projections)
+        self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
         self.scale = self.head_dim ** -0.5
         self.ops = ops
 
@@ -69,18 +71,26 @@ class Attention(nn.Module):
     def heads(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The attention heads' output, concatenated: o_proj's input."""
-        tokens = x.shape[0]
         x = self.qkv_input(x)
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         q, k = self.ops.apply_rotary(q, k, positions, cos_sin)
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale,
         )
-        return out.view(tokens, -1)
+        return out.flatten(1)
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:
+            self.q_proj = self.k_proj = self.v_proj = None
 
 
 class MLP(nn.Module):
@@ -91,6 +101,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gate_up_input = nn.Identity()  # as Attention.qkv_input, for gate/up
+        self.gate_up_proj: nn.Module | None = None  # gate/up as one matmul (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.hidden(x))
@@ -98,7 +109,34 @@ class MLP(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The gated activation: down_proj's input."""
         x = self.gate_up_input(x)
-        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return F.silu(gate) * up
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_up_proj is not None:
+            self.gate_proj = self.up_proj = None
+
+
+def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear computing all of `linears` on the same input, outputs concatenated in order
+    (fewer, larger matmuls per step); None when they cannot be fused."""
+    if all(type(lin) is nn.Linear for lin in linears):
+        with_bias = [lin.bias is not None for lin in linears]
+        if any(with_bias) and not all(with_bias):
+            return None
+        first = linears[0].weight
+        fused = nn.Linear(first.shape[1], sum(lin.out_features for lin in linears), bias=all(with_bias),
+                          device="meta")
+        fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+        if all(with_bias):
+            fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+        return fused
+    fuse = getattr(type(linears[0]), "fuse", None)
+    return fuse(linears) if fuse is not None else None
 
 
 class RMSNorm(nn.Module):
@@ -140,6 +178,13 @@ class Transformer(nn.Module):
         # explicit so the table is real even when the weights are built on the meta device.
         self.register_buffer("cos_sin", rotary_cos_sin(config.rope_inv_freq(), config.max_model_len, device),
                              persistent=False)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up each as one matmul: what the engine runs (checkpoints and the
+        converter name them apart)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

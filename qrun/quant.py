@@ -2,13 +2,10 @@
 
 Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`):
 - the Triton backend (CUDA, or QRUN_KERNELS=triton): the `dequant_matmul` op of `qrun.kernels`;
-- CPU, `QRUN_QUANT_CPU=fast` (default): a prepared torch path, built once per module:
-  groups of <= 4 bits run through `aten._weight_int4pack_mm_for_cpu` (every width up to 4 is
-  re-expressed exactly on the 4-bit grid: w = (q - 8) * scale + zero), groups of 5..8 bits (a
-  prefix of the permuted input rows) run as one dense matmul of their dequantized weights;
-  where the int4 layout does not apply (group size not 32/64/128/256, N not a multiple of 16)
-  the whole matrix runs dense; other multiples of 32 (96, 192) run with their scales repeated on
-  the largest size the kernel takes that divides them. Activations run in bfloat16 on this path.
+- CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`, built at load (`prepare_quantized_linears`):
+  every group width runs exactly on `aten._weight_int4pack_mm_for_cpu` (5-8-bit codes as two
+  4-bit digits); linears sharing an input in the same order (q/k/v, gate/up) run as one
+  (`QuantLinear.fuse`, called by the model's `fuse_projections`).
 - CPU, `QRUN_QUANT_CPU=ref`: `dequant_matmul_ref` (float32 dequantize, then matmul).
 A rotated matrix (stored in a rotated input basis) rotates its input first, on every path,
 unless linears sharing an input also share its rotation (q/k/v, gate/up: quantized together):
@@ -20,6 +17,7 @@ Format of the tensors: docs/FORMAT.md.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,7 +26,7 @@ from qrun.convert.packing import FORMAT_VERSION, READABLE_VERSIONS, MatrixLayout
 from qrun.errors import ModelLoadError
 from qrun.kernels import backend, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref,
-                                         group_values)
+                                         group_values, unpack_rows)
 from qrun.kernels.rotation import rotate, unpack_signs, unrotate
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -67,8 +65,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
         self._identity: torch.Tensor | None = None
         self._signs: torch.Tensor | None = None
-        self._prepared: tuple | None = None
-        self._prepared_key = None
+        self.cpu_matmul: CpuQuantMatmul | None = None
 
     def extra_repr(self) -> str:
         runs = ",".join(f"{b}b×{n}" for b, n in self.layout.runs())
@@ -108,68 +105,131 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.rotates_input:
             x2 = rotate(x2, self.input_signs())
-        if backend(x.device) == "triton":
+        if self.cpu_matmul is not None:  # prepared at load: the dispatch below was decided then
+            y = self.cpu_matmul(x2)
+        elif backend(x.device) == "triton":
             y = ops_for(x.device).dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         elif cpu_mode() == "ref":
             y = dequant_matmul_ref(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         else:
-            y = self._forward_cpu_fast(x2)
+            self.prepare_cpu()
+            y = self.cpu_matmul(x2)
         return y.reshape(*shape[:-1], self.out_features)
 
-    # --- CPU fast path -------------------------------------------------------------------
-    def _prepare_cpu(self) -> tuple:
-        """(perm | None (identity), k_hi, dense_hi [N, k_hi] bf16 | None,
-        low: (int4-packed rows k_hi.., kernel group size, scale_zero [K_lo/kernel group, N, 2]) | None)."""
-        bits = [int(b) for b in self.qgroups[:, 0].tolist()]
+    def prepare_cpu(self) -> None:
+        """Build the CPU fast path's weights now (the loader calls this, so no request pays for it)."""
+        self.cpu_matmul = CpuQuantMatmul.build([self])
+
+    def cpu_parts(self) -> "_CpuParts":
+        """This matrix in the CPU fast path's terms (see CpuQuantMatmul)."""
         g = self.group_size
-        hi_groups = 0
-        while hi_groups < len(bits) and bits[hi_groups] > 4:
-            hi_groups += 1
+        groups = self.qgroups.tolist()
         kernel_group = next((s for s in INT4_GROUP_SIZES[::-1] if g % s == 0), None)
-        lo_is_int4 = (all(b <= 4 for b in bits[hi_groups:]) and kernel_group is not None
-                      and self.out_features % 16 == 0 and hi_groups < len(bits))
-        if not lo_is_int4:
-            hi_groups = len(bits)
-        w = dequantize_ref(*self.packed(), g)  # [K, N] permuted
-        k_hi = hi_groups * g
-        dense_hi = w[:k_hi].T.contiguous().to(torch.bfloat16) if k_hi else None
-        low = None
-        if lo_is_int4:
-            from qrun.kernels.dequant_matmul import unpack_rows
-
-            q_parts, sz = [], []
-            groups = self.qgroups.tolist()
-            scales = group_values(self.scales, self.scale_max, SCALE_LEVELS)
-            mins = None if self.mins is None else group_values(self.mins, self.min_absmax, MIN_LEVELS)
-            for gi in range(hi_groups, len(groups)):
-                b, row = groups[gi]
-                q_parts.append(unpack_rows(self.qweight[row:row + g * b // 32], b))
-                s = scales[gi]
-                zero = mins[gi] + 8 * s if mins is not None else (8 - (1 << (b - 1))) * s
-                sz.append(torch.stack([s, zero], -1))
-            q = torch.cat(q_parts).T.contiguous().to(torch.int32)  # [N, K_lo]
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            scale_zero = torch.stack(sz).to(torch.bfloat16).repeat_interleave(g // kernel_group, 0).contiguous()
-            low = (packed, kernel_group, scale_zero)
+        wide = 0  # act order puts the wide groups first
+        while wide < len(groups) and groups[wide][0] > 4:
+            wide += 1
+        int4 = (kernel_group is not None and self.out_features % 16 == 0
+                and all(b <= 4 for b, _ in groups[wide:]))
+        bias = None if self.bias is None else self.bias.float()
         perm = None if self.perm is None else self.perm.long()
-        return perm, k_hi, dense_hi, low
+        if not int4:
+            return _CpuParts(perm, dequantize_ref(*self.packed(), g).T.contiguous(), None, None, 0, None, bias)
+        scales = group_values(self.scales, self.scale_max, SCALE_LEVELS)
+        mins = None if self.mins is None else group_values(self.mins, self.min_absmax, MIN_LEVELS)
+        low, low_sz, high, high_sz = [], [], [], []
+        for gi, (b, row) in enumerate(groups):
+            codes = unpack_rows(self.qweight[row:row + g * b // 32], b)
+            s = scales[gi]
+            # the group's value with no offset: q * s + m (asym) or q * s - 2^(b-1) s (sym)
+            m = mins[gi] if mins is not None else -(1 << (b - 1)) * s
+            low.append(codes & 15)  # the kernel computes (code - 8) * scale + zero
+            low_sz.append(torch.stack([s, m + 8 * s], -1))
+            if b > 4:  # the upper digit: (code >> 4) * 16 s
+                high.append(codes >> 4)
+                high_sz.append(torch.stack([16 * s, 128 * s], -1))
 
-    def _forward_cpu_fast(self, x: torch.Tensor) -> torch.Tensor:
-        key = (self.qweight.data_ptr(), self.scales.data_ptr())
-        if self._prepared is None or self._prepared_key != key:
-            self._prepared, self._prepared_key = self._prepare_cpu(), key
-        perm, k_hi, dense_hi, low = self._prepared
+        def plane(codes, scale_zero):
+            if not codes:
+                return None, None
+            stacked = torch.stack(scale_zero).repeat_interleave(g // kernel_group, 0)
+            return torch.cat(codes).T.contiguous().to(torch.int32), stacked
+
+        low_codes, low_sz = plane(low, low_sz)
+        high_codes, high_sz = plane(high, high_sz)
+        return _CpuParts(perm, None, (low_codes, low_sz), (high_codes, high_sz) if high else None, wide * g,
+                         kernel_group, bias)
+
+    @staticmethod
+    def fuse(linears: list["QuantLinear"]) -> nn.Module | None:
+        """One CPU matmul for linears that read the same input (q/k/v, gate/up), outputs
+        concatenated; None where they cannot share one (GPU kernels, differing input order)."""
+        if not all(isinstance(lin, QuantLinear) and lin.cpu_matmul is not None and not lin.rotates_input
+                   for lin in linears):
+            return None
+        return CpuQuantMatmul.build(linears)
+
+
+@dataclass
+class _CpuParts:
+    perm: torch.Tensor | None  # input column of each packed row; None: identity
+    dense: torch.Tensor | None  # float32 [N, K] where the int4 kernel does not apply
+    low: tuple[torch.Tensor, torch.Tensor] | None  # int32 codes [N, K], scale/zero [K / kernel group, N, 2]
+    high: tuple[torch.Tensor, torch.Tensor] | None  # the same for the first k_high rows' upper digits
+    k_high: int
+    kernel_group: int | None
+    bias: torch.Tensor | None  # float32 [N]
+
+
+class CpuQuantMatmul(nn.Module):
+    """The CPU fast path of one or more packed linears sharing an input (outputs concatenated).
+
+    Everything runs on `aten._weight_int4pack_mm_for_cpu`, exactly: a group of <= 4 bits is
+    already on its grid (w = (q - 8) * scale + zero); a wider code splits into two 4-bit digits,
+    q = 16 hi + lo, so a 5-8-bit group is one pass over the low digits plus one over the high
+    digits with 16x the scale (the wide groups are a prefix of the packed rows: act order puts
+    them first). Where the kernel cannot take the layout (group size not a multiple of 32, N not
+    a multiple of 16) the matrix runs dense. Activations, scales and zeros are bfloat16."""
+
+    def __init__(self, parts: _CpuParts, out_features: int):
+        super().__init__()
+        self.perm, self.k_high, self.kernel_group, self.bias = parts.perm, parts.k_high, parts.kernel_group, parts.bias
+        self.dense = None if parts.dense is None else parts.dense.to(torch.bfloat16)
+        self.low, self.high = (None if p is None else (torch.ops.aten._convert_weight_to_int4pack_for_cpu(p[0], 1),
+                                                       p[1].to(torch.bfloat16).contiguous())
+                               for p in (parts.low, parts.high))
+        self.out_features = out_features
+
+    @classmethod
+    def build(cls, linears: list[QuantLinear]) -> "CpuQuantMatmul | None":
+        """The fused matmul of `linears`, or None when their inputs are not laid out alike."""
+        parts = [lin.cpu_parts() for lin in linears]
+        first = parts[0]
+        if not all(p.k_high == first.k_high and p.kernel_group == first.kernel_group
+                   and (p.dense is None) == (first.dense is None) and (p.high is None) == (first.high is None)
+                   and (p.perm is None) == (first.perm is None) and (p.perm is None or torch.equal(p.perm, first.perm))
+                   for p in parts[1:]):
+            return None
+
+        def cat_planes(planes):
+            return None if planes[0] is None else (torch.cat([p[0] for p in planes]), torch.cat([p[1] for p in planes], 1))
+
+        biases = [p.bias if p.bias is not None else torch.zeros(lin.out_features) for p, lin in zip(parts, linears)]
+        fused = _CpuParts(first.perm, None if first.dense is None else torch.cat([p.dense for p in parts]),
+                          cat_planes([p.low for p in parts]), cat_planes([p.high for p in parts]), first.k_high,
+                          first.kernel_group, torch.cat(biases) if any(p.bias is not None for p in parts) else None)
+        return cls(fused, sum(lin.out_features for lin in linears))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         xp = x.to(torch.bfloat16)
-        if perm is not None:
-            xp = xp[:, perm]
-        y = None
-        if low is not None:
-            packed, kernel_group, scale_zero = low
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp[:, k_hi:].contiguous(), packed, kernel_group,
-                                                            scale_zero)
-        if dense_hi is not None:
-            hi = xp[:, :k_hi] @ dense_hi.T
-            y = hi if y is None else y + hi
+        if self.perm is not None:
+            xp = xp[:, self.perm]
+        if self.dense is not None:
+            y = xp @ self.dense.T
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp.contiguous(), self.low[0], self.kernel_group, self.low[1])
+            if self.high is not None:
+                y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(xp[:, :self.k_high].contiguous(), self.high[0],
+                                                                    self.kernel_group, self.high[1])
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
@@ -207,6 +267,13 @@ def share_input_rotations(model: nn.Module) -> None:
                 setattr(module, slot, InputRotation(signs))
                 for lin in linears:
                     lin.rotates_input = False
+
+
+def prepare_quantized_linears(model: nn.Module) -> None:
+    """Build every quantized linear's CPU fast path at load, so the first request does not wait."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and backend(module.qweight.device) == "torch" and cpu_mode() == "fast":
+            module.prepare_cpu()
 
 
 def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]:

@@ -43,7 +43,7 @@ def fake_quant_rtn(ref_name: str, bits: int) -> tuple[object, float]:
     from qrun.convert.gptq import Candidate, rtn_quantize
     from qrun.loader import load_model
 
-    loaded = load_model(ref_name, dtype="float32", device="cpu")
+    loaded = load_model(ref_name, dtype="float32", device="cpu", fuse_projections=False)
     total_bits = total_weights = 0
     for layer in loaded.model.layers:
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

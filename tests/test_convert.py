@@ -53,8 +53,10 @@ def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
     for name in ("tokenizer.json", "tokenizer_config.json", "measurement.json", "model.safetensors.index.json"):
         assert (out / name).is_file()
 
-    quant = load_model(out, dtype="float32", device="cpu")
-    assert isinstance(quant.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert isinstance(load_model(out, dtype="float32", device="cpu", fuse_projections=False)
+                      .model.layers[0].self_attn.q_proj, QuantLinear)
+    quant = load_model(out, dtype="float32", device="cpu")  # what the engine runs: q/k/v fused
+    assert quant.model.layers[0].self_attn.qkv_proj is not None
     assert isinstance(quant.model.lm_head, QuantLinear)
     orig = load_model(tiny_llama_dir, dtype="float32", device="cpu")
     ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))
@@ -127,11 +129,11 @@ def test_low_bit_conversion_uses_rotated_matrices_and_the_model_equals_its_dequa
     convert(tiny_llama_dir, out, bits=2.8, calib=[calib_file], measurement=converted[0] / "measurement.json", **FAST)
     modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
     assert any(spec["rotated"] for spec in modules.values())  # below 3 bpw the rotated candidates are the cheap ones
+    monkeypatch.setenv("QRUN_QUANT_CPU", "ref")  # exact float32 (the fast path: test_quant_linear.py)
     model = load_model(out, dtype="float32", device="cpu").model
     assert any(not isinstance(attn.qkv_input, nn.Identity)  # q/k/v share one rotation of their input
                for attn in (layer.self_attn for layer in model.layers))
     ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setenv("QRUN_QUANT_CPU", "ref")  # exact float32 (the fast path: test_quant_linear.py)
     quantized = window_logprobs(model, ids)
 
     for module in list(model.modules()):  # the same model with plain linears in the original basis
@@ -175,7 +177,7 @@ def test_model_in_an_older_format_version_asks_to_convert_again(converted, tmp_p
 def test_scale_ranges_stay_float16_in_a_bfloat16_model(converted):
     from qrun.loader import load_model
 
-    model = load_model(converted[0], dtype="bfloat16", device="cpu").model
+    model = load_model(converted[0], dtype="bfloat16", device="cpu", fuse_projections=False).model
     q_proj = model.layers[0].self_attn.q_proj
     assert q_proj.scale_max.dtype == torch.float16 and q_proj.scales.dtype == torch.uint8
     assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
@@ -271,7 +273,7 @@ def test_drift_correction_brings_a_layer_fed_drifted_inputs_closer_to_full_preci
     from qrun.kernels.rotary import rotary_cos_sin
     from qrun.loader import load_model
 
-    loaded = load_model(tiny_llama_dir, dtype="float32", device="cpu")
+    loaded = load_model(tiny_llama_dir, dtype="float32", device="cpu", fuse_projections=False)
     config = loaded.config
     layer = build_layer(config, {k: v for k, v in loaded.model.layers[1].state_dict().items()})
     g = torch.Generator().manual_seed(0)

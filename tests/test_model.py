@@ -193,7 +193,7 @@ def test_unknown_alias_is_a_clear_error():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_tracks_float32(tiny_llama_dir, tiny, dtype):
     half = load_model(tiny_llama_dir, dtype=dtype)
-    assert half.model.layers[0].mlp.up_proj.weight.dtype == getattr(torch, dtype)
+    assert half.model.layers[0].mlp.gate_up_proj.weight.dtype == getattr(torch, dtype)
     tokens = random_tokens(60, 8)
     ref = forward_chunks(tiny, [[(0, tokens)]], [list(range(4))])[0].log_softmax(-1)
     ours = forward_chunks(half, [[(0, tokens)]], [list(range(4))])[0].log_softmax(-1)

@@ -28,8 +28,8 @@ def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int 
     (Candidate(64, ((4, 0.5), (3, 0.25), (2, 0.25))), 576, 192),  # all int4-representable
     (Candidate(32, ((4, 1.0),), asym=True, act_order=False), 576, 64),  # Q4_1-like, no perm stored
     (Candidate(128, ((4, 0.5), (3, 0.5))), 576, 64),  # group 96: int4 kernel at group 32, scales repeated
-    (Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5))), 1536, 64),  # wide prefix runs dense
-    (Candidate(64, ((6, 1.0),)), 192, 32),  # all dense
+    (Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5))), 1536, 64),  # wide prefix: two 4-bit digits
+    (Candidate(64, ((6, 1.0),)), 192, 32),  # all wide
     (Candidate(64, ((4, 1.0),)), 192, 40),  # N not a multiple of 16: dense fallback
     (Candidate(128, ((3, 1.0),), asym=True, act_order=False, rotate=True), 576, 64),  # rotated input
     (Candidate(64, ((4, 0.5), (3, 0.5)), rotate=True), 1536, 32),  # rotated, then permuted
@@ -58,3 +58,39 @@ def test_unknown_cpu_mode_is_rejected(monkeypatch):
     monkeypatch.setenv("QRUN_QUANT_CPU", "turbo")
     with pytest.raises(ValueError):
         module(torch.randn(1, 128))
+
+
+def quantized_siblings(cand: Candidate, k: int, widths: list[int]) -> list[QuantLinear]:
+    """Linears quantized against one input's Hessian, as q/k/v are (so act order permutes them alike)."""
+    g = torch.Generator().manual_seed(1)
+    acc = HessianAccumulator(k)
+    acc.add(torch.randn(256, k, generator=g) * torch.linspace(0.1, 3, k))
+    modules = []
+    for n in widths:
+        result = gptq_quantize(torch.randn(n, k, generator=g) * 0.05, acc.hessian(), cand)
+        module = QuantLinear(result.layout, bias=True)
+        for name, tensor in result.tensors().items():
+            setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+        module.bias = nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+        module.prepare_cpu()
+        modules.append(module)
+    return modules
+
+
+@pytest.mark.parametrize("cand", [Candidate(64, ((4, 0.5), (3, 0.5))), Candidate(128, ((8, 0.25), (4, 0.75))),
+                                  Candidate(32, ((4, 1.0),), asym=True, act_order=False)])
+def test_fused_siblings_equal_each_linear_concatenated(cand):
+    linears = quantized_siblings(cand, 256, [64, 32, 32])
+    fused = QuantLinear.fuse(linears)
+    assert fused is not None
+    x = torch.randn(7, 256)
+    torch.testing.assert_close(fused(x), torch.cat([lin(x) for lin in linears], -1), rtol=1e-2, atol=1e-2)
+
+
+def test_linears_permuted_differently_are_not_fused():
+    cand = Candidate(64, ((4, 1.0),))
+    a = quantized_siblings(cand, 256, [32])[0]
+    b = quant_linear(cand, 256, 32, seed=5)[0]
+    b.prepare_cpu()
+    assert not torch.equal(a.perm, b.perm)
+    assert QuantLinear.fuse([a, b]) is None
