@@ -84,7 +84,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="model to convert: HF folder, hub id, .gguf file or alias (never modified)")
     parser.add_argument("out", help="output folder (written via a temporary folder, renamed when complete)")
     parser.add_argument("--bits", type=float, required=True, help="target bits per weight of the decoder layers")
-    parser.add_argument("--head-bits", type=int, default=6, help="bits of an untied lm_head (default 6)")
+    parser.add_argument("--head-bits", type=int, default=6,
+                        help="bits of lm_head (default 6); a head tied to the embedding is stored untied")
     parser.add_argument("--calib", nargs="+", metavar="FILE",
                         help="calibration text: .txt, .jsonl (text field) or .parquet (text column); "
                              "default: shared/data/text/brown_[a-j]*.txt")
@@ -232,9 +233,13 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
         report = run_quantize(job, config, runner, start_rows, chosen_preset, src_dir, choice, measured_err,
                               final_dir, progress)
         head_tensors, head_layout = None, None
-        if not config.tie_word_embeddings and "lm_head.weight" in other:
+        # A tied head is quantized too and stored untied: it is the largest matrix a decode step
+        # reads (SmolLM2: 49152 x 576), while the embedding only gathers rows and stays float16.
+        head_weight = other["embed_tokens.weight"] if config.tie_word_embeddings else other.get("lm_head.weight")
+        if head_weight is not None:
             rows = load_rows(job.dir / "quantize" / f"state_{config.num_layers - 1:04d}.pt")
-            head_tensors, head_layout = quantize_head(config, runner, rows, other, head_bits, chosen_preset)
+            head_tensors, head_layout = quantize_head(config, runner, rows, other, head_weight, head_bits,
+                                                      chosen_preset)
         write_other_shard(config, other, head_tensors, final_dir)
         file_bytes = write_index(final_dir, config.num_layers + 1)
         modules = {}
@@ -255,7 +260,8 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
             "head_bpw": round(head_layout.bpw(), 5) if head_layout else None,
             "calibration": calib_summary, "preset": preset, "file_bytes": file_bytes, "modules": modules,
         }
-        write_config(hf_config, quant_config, final_dir)
+        write_config({**hf_config, "tie_word_embeddings": False} if head_layout else hf_config, quant_config,
+                     final_dir)
         write_tokenizer(source, tokenizer, final_dir)
         (final_dir / "measurement.json").write_text(json.dumps(measurement_doc, indent=1))
         publish(final_dir, out, job.dir, force)

@@ -166,15 +166,16 @@ def run_quantize(job, config, runner: LayerRunner, rows: Rows, preset: Preset, s
     return report
 
 
-def quantize_head(config, runner: LayerRunner, rows: Rows, other: dict, head_bits: int, preset: Preset):
-    """GPTQ of an untied lm_head on the final-normed calibration states. Returns (tensors, info)."""
+def quantize_head(config, runner: LayerRunner, rows: Rows, other: dict, weight: torch.Tensor, head_bits: int,
+                  preset: Preset):
+    """GPTQ of the lm_head `weight` on the final-normed calibration states. Returns (tensors, layout)."""
     norm = final_norm(config, other)
     acc = HessianAccumulator(config.hidden_size)
     for start in range(0, rows.x.shape[0], runner.chunk_rows):
         res = None if rows.residual is None else rows.residual[start:start + runner.chunk_rows]
         h, _ = norm(rows.x[start:start + runner.chunk_rows], res)
         acc.add(h)
-    w = other["lm_head.weight"].float()
+    w = weight.float()
     cand = Candidate(128, ((head_bits, 1.0),))
     qm = gptq_quantize(w, acc.hessian(), cand, clip_search=preset.clip_search)
     tensors = {f"lm_head.{k}": v for k, v in qm.tensors().items()}
