@@ -38,6 +38,26 @@ def converted(tiny_llama_dir, calib_file, tmp_path_factory) -> tuple[Path, dict]
     return out, summary
 
 
+def test_tied_head_is_quantized_and_stored_untied(tiny_checkpoints, calib_file, tmp_path):
+    from qrun.loader import load_model
+    from qrun.quant import QuantLinear
+
+    tied = tiny_checkpoints["qwen2"]
+    assert json.loads((tied / "config.json").read_text())["tie_word_embeddings"]
+    out = tmp_path / "qwen2-q"
+    convert(tied, out, bits=4.0, head_bits=8, calib=[calib_file], **FAST)
+    config = json.loads((out / "config.json").read_text())
+    assert not config["tie_word_embeddings"] and "lm_head" in config["quantization_config"]["modules"]
+    quant = load_model(out, dtype="float32", device="cpu")
+    assert isinstance(quant.model.lm_head, QuantLinear)
+    orig = load_model(tied, dtype="float32", device="cpu")
+    ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))
+    logits = [_logits(m.model, ids) for m in (orig, quant)]
+    kl = torch.nn.functional.kl_div(logits[1].log_softmax(-1), logits[0].log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    assert kl < 0.05
+
+
 def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
     from qrun.llm import LLM
     from qrun.loader import load_model
