@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qrun.block_manager import BlockManager
+from qrun.cpu_threads import CpuThreads
 from qrun.errors import QrunError, RequestError
 from qrun.loader import load_model
 from qrun.model import KVCache
@@ -109,6 +110,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._seq_ids = itertools.count()
         self.num_generated_tokens = 0
+        self.cpu_threads = CpuThreads() if self.loaded.device.type == "cpu" else None
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks, config.block_size,
                  num_blocks * config.block_size,
                  num_blocks * KVCache.bytes_per_block(model_config, config.block_size, self.loaded.dtype) / 2**20)
@@ -190,6 +192,8 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return the outputs of the requests it advanced."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
         batch = self.scheduler.schedule()
         if not batch:
             return []

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-import qrun  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+import qrun  # noqa: F401
 import torch
 
 from qrun.bench import (BenchRequest, aggregate, format_profile, format_table, latency_summary, load_workload,

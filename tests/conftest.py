@@ -13,7 +13,7 @@ if not os.path.exists("/dev/nvidiactl"):
     # imported, so it is set before anything imports qrun (which imports triton).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import qrun  # noqa: E402,F401  (sets the OpenMP wait policy before torch loads)
+import qrun  # noqa: E402,F401
 import torch  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

@@ -6,7 +6,6 @@ import io
 import json
 import re
 import sys
-import time
 
 import pytest
 from rich.console import Console
@@ -102,7 +101,8 @@ def test_terminal_session_streams_interrupts_and_quits(tiny_llama_dir, tmp_path)
         child.sendline("/set max_tokens=300 ignore_eos=true")
         child.expect(">>> ")
         child.sendline("Now a very long one.")
-        time.sleep(0.5)
+        child.expect("Now a very long one.\r\n")  # the echo; then interrupt once the answer streams
+        child.read_nonblocking(1, timeout=60)
         child.sendintr()
         child.expect("interrupted")
         child.expect(">>> ")
