@@ -71,7 +71,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags; unset flags stay None so EngineConfig's defaults apply."""
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
+                       help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32)")
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
     group.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
     group.add_argument("--max-num-batched-tokens", type=int, help="token budget of one forward pass")

@@ -114,7 +114,7 @@ def test_help_has_examples(command, capsys):
 
 
 def test_info_shows_size_and_kv_capacity(tiny_llama_dir, capsys):
-    assert main(["info", str(tiny_llama_dir), "--kv-cache-memory", "1MiB", "--block-size", "16",
+    assert main(["info", str(tiny_llama_dir), "--kv-cache-memory", "1MiB", "--block-size", "16", "--dtype", "float32",
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out and "2 layers" in out and "float32" in out
