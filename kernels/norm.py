@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_ref(
@@ -13,14 +14,13 @@ def rms_norm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (normed, new_residual) where new_residual = x + residual (or x).
 
-    The statistics are taken in float32 and the result is cast back before the weight
-    multiplies it, as the reference implementations of these models do.
+    Computed in float32 (torch's fused rms_norm upcasts half inputs) and rounded once, to the
+    wider of x's and the weight's dtypes.
     """
     if residual is not None:
         x = x + residual
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
-    return weight * normed, x
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    return F.rms_norm(x.to(dtype), x.shape[-1:], weight.to(dtype), eps), x
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,10 +17,13 @@ def apply_rotary_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]. Returns rotated (q, k) in their dtype."""
     cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)
+    # x * [cos, cos] + [x2, x1] * [-sin, sin]: five ops per tensor (this runs in every layer)
+    cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x = x.float()
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.addcmul(x * cos2, torch.cat([x2, x1], dim=-1), sin2).to(q.dtype)
 
     return rotate(q), rotate(k)
 

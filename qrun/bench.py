@@ -189,6 +189,74 @@ def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
     return result
 
 
+# -- roofline and background load ------------------------------------------------------------
+
+def decode_step_bytes(model, context: int, cache_dtype) -> int:
+    """Bytes a batch-1 decode step of `model` reads: every tensor its forward touches (the
+    embedding: one row; a quantized linear: the form it runs, not the packed file tensors),
+    plus the K/V of `context` tokens."""
+    import torch
+
+    from qrun.quant import CpuQuantMatmul, QuantLinear
+
+    def tensors(module) -> list:
+        if isinstance(module, CpuQuantMatmul):
+            pieces = [module.perm, module.dense, module.bias, *(module.low or ()), *(module.high or ())]
+            return [t for t in pieces if t is not None]
+        if isinstance(module, QuantLinear) and module.cpu_matmul is not None:
+            return []  # runs through its CpuQuantMatmul child
+        return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    unique = {id(t): t for module in model.modules() for t in tensors(module)}
+    total = sum(nbytes(t) for t in unique.values())
+    # Tables read one row a step: the rotary table, and the embedding unless it is also the head.
+    tables = [model.cos_sin]
+    if getattr(model.lm_head, "weight", None) is not model.embed_tokens.weight:
+        tables.append(model.embed_tokens.weight)
+    total -= sum(nbytes(t) - nbytes(t[0]) for t in tables)
+    config = model.config
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty(0, dtype=cache_dtype).element_size()
+    return total + context * kv_per_token
+
+
+def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The machine's read bandwidth in bytes/s: the best of `repeats` sums over a buffer far
+    larger than the caches, on torch's threads."""
+    import torch
+
+    buffer = torch.ones(size_bytes // 4, dtype=torch.float32)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first pass also faults the pages in
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return size_bytes / best
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def busy_cores(count: int) -> Iterator[None]:
+    """`count` processes that each keep a core busy while the block runs (a loaded machine)."""
+    import multiprocessing
+
+    procs = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(count)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join()
+
+
 # -- profiling --------------------------------------------------------------------------------
 
 class _LabelledOps:
@@ -259,7 +327,6 @@ def profile_qrun(llm, requests: Sequence[BenchRequest], *, steps: int = 8, skip_
     LM head, including any dequantization inside them), attention (rotary, KV store, paged
     attention), sampling, other torch ops, and Python overhead = wall − time inside torch ops.
     """
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine

@@ -1,26 +1,33 @@
 #!/usr/bin/env python
 """Serving benchmark: one workload through qrun and its peers in one run, interleaved.
 
-Every system gets the same requests (greedy, EOS ignored, each request's `max_tokens` exact), the
-same model file (the GGUF; transformers dequantizes it to --dtype), the same dtype and thread count.
-The whole batch is submitted at once: TTFT and end-to-end latency count from that submission.
+Every system gets the same requests (greedy, EOS ignored, each request's `max_tokens` exact) and
+thread count; the peers read the same GGUF (transformers dequantizes it, llama.cpp requantizes a
+copy when asked for another type). The whole batch is submitted at once: TTFT and end-to-end
+latency count from that submission. Then each system decodes one request alone (--single-stream),
+and a roofline line relates the bytes a batch-1 decode step reads to the machine's measured read
+bandwidth.
 
-    python scripts/bench_serving.py --workload ../shared/data/workloads/mixed_lengths.jsonl \
-        --num-requests 64 --systems qrun,hf_static,hf_cb,llamacpp --repeats 3 --json out.json
+    python scripts/bench_serving.py --num-requests 32 --repeats 2 \
+        --systems qrun,qrun@out/smol-4.0,llamacpp@f16,llamacpp@q4_0,hf_cb,hf_static
+    python scripts/bench_serving.py --num-requests 32 --busy-cores 1 --systems qrun,qrun@out/smol-4.0
     python scripts/bench_serving.py --workload ../shared/data/workloads/shared_prefix.jsonl \
         --num-requests 64 --systems qrun,qrun_noprefix
-    python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun,hf_static --profile
+    python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun --profile
 
-Systems:
-  qrun           qrun.LLM, continuous batching, prefix caching on (metrics: qrun.bench.run_qrun)
+Systems (SYSTEM or SYSTEM@VARIANT):
+  qrun[@MODEL]   qrun.LLM (default --model, --dtype), continuous batching, prefix caching on
+                 (metrics: qrun.bench.run_qrun); MODEL may be a `qrun convert` output folder
   qrun_noprefix  the same engine with enable_prefix_caching=False
   hf_static      transformers `generate`, left padding, batches of --batch-size in arrival order,
                  each batch runs to its longest max_tokens (static batching)
   hf_cb          transformers continuous batching (the manager behind `generate_batch`), explicit
                  cache settings sized like qrun's; requests added one by one so each keeps its own
                  max_new_tokens (generate_batch itself takes one max_new_tokens for all)
-  llamacpp       llama.cpp (llama-cpp-python's low-level batch API) on the same GGUF, parallel
-                 sequences; skipped with a message when llama-cpp-python is not installed
+  llamacpp[@TYPE] llama.cpp (llama-cpp-python's low-level batch API) on the GGUF as it is, or on a
+                 copy requantized to TYPE (f16, bf16, q8_0, q4_0; made once, kept beside the GGUF),
+                 parallel sequences. Install: pip install llama-cpp-python==0.3.36 (builds llama.cpp
+                 from source: 2-11 minutes on 2 cores); skipped with a message when missing.
 """
 
 from __future__ import annotations
@@ -29,15 +36,15 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
-import qrun  # noqa: F401
 import torch
 
-from qrun.bench import (BenchRequest, aggregate, format_profile, format_table, latency_summary, load_workload,
-                        profile_qrun, run_qrun)
+from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, format_profile, format_table,
+                        latency_summary, load_workload, measure_read_bandwidth, profile_qrun, run_qrun)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
@@ -60,7 +67,7 @@ def gguf_path(model: str) -> Path:
 # -- qrun -----------------------------------------------------------------------------------------
 
 class QrunSystem:
-    def __init__(self, name: str, args, prefix_caching: bool):
+    def __init__(self, name: str, args, model: str, prefix_caching: bool):
         from qrun import LLM
 
         kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -69,8 +76,11 @@ class QrunSystem:
         if args.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
         self.name = name
-        self.llm = LLM(args.model, **kwargs)
+        self.llm = LLM(model, **kwargs)
         self.ids: list[list[int]] | None = None
+
+    def decode_bytes(self, context: int) -> int:
+        return decode_step_bytes(self.llm.engine.runner.model, context, self.llm.engine.runner.kv_cache.k.dtype)
 
     def kv_tokens(self) -> int:
         bm = self.llm.engine.block_manager
@@ -87,7 +97,9 @@ class QrunSystem:
 def load_hf(path: Path, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = getattr(torch, dtype)
+    from qrun.loader import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     model.eval()
@@ -233,14 +245,54 @@ def _first(module, *names):
     raise AttributeError(f"llama_cpp has none of {names}; unsupported llama-cpp-python version")
 
 
+LLAMACPP_TYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
+                  "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def llamacpp_variant(path: Path, kind: str | None) -> Path:
+    """The GGUF itself, or a copy requantized to `kind` by llama.cpp (made once, beside it)."""
+    if kind is None:
+        return path
+    if kind not in LLAMACPP_TYPES:
+        raise SystemExit(f"llamacpp@{kind}: choose one of {', '.join(LLAMACPP_TYPES)}")
+    out = path.with_name(f"{path.stem}.{kind}.gguf")
+    if out.is_file():
+        return out
+    try:
+        import ctypes
+
+        import llama_cpp
+    except ImportError:
+        raise SkipSystem("llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMACPP_TYPES[kind])
+    params.allow_requantize = True
+    tmp = out.with_name(out.name + ".tmp")
+    if llama_cpp.llama_model_quantize(str(path).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not requantize {path} to {kind}")
+    os.replace(tmp, out)
+    return out
+
+
+def gguf_decode_bytes(path: Path, context: int, kv_bytes_per_token: int) -> int:
+    """Bytes a llama.cpp batch-1 decode step reads: every tensor but the embedding table (one row),
+    which is read whole when it doubles as the output head; plus the context's K/V."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    total = sum(tensors.values())
+    if "output.weight" in tensors:
+        total -= tensors["token_embd.weight"]
+    return total + context * kv_bytes_per_token
+
+
 class LlamaCppSystem:
     """llama.cpp through llama-cpp-python's low-level API: one `llama_batch` per step holding a
     decode token for every running sequence plus prompt chunks of newly admitted ones (the same
     token budget and sequence cap as qrun), greedy argmax on the host, a unified KV cache."""
 
-    name = "llamacpp"
-
-    def __init__(self, path: Path, *, threads: int, n_ctx: int, n_batch: int, n_seq_max: int):
+    def __init__(self, name: str, path: Path, *, threads: int, n_ctx: int, n_batch: int, n_seq_max: int):
+        self.name, self.path = name, path
         try:
             import llama_cpp
         except ImportError:
@@ -280,6 +332,13 @@ class LlamaCppSystem:
             self.n_vocab = llama_cpp.llama_n_vocab(self.model)
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.ids: list[list[int]] | None = None
+        n_layer = llama_cpp.llama_model_n_layer(self.model)
+        n_embd = llama_cpp.llama_model_n_embd(self.model)
+        heads, kv_heads = llama_cpp.llama_model_n_head(self.model), llama_cpp.llama_model_n_head_kv(self.model)
+        self.kv_bytes_per_token = 2 * n_layer * kv_heads * (n_embd // heads) * 2  # float16 cache
+
+    def decode_bytes(self, context: int) -> int:
+        return gguf_decode_bytes(self.path, context, self.kv_bytes_per_token)
 
     def _tokenize(self, text: str) -> list[int]:
         lc = self.lc
@@ -398,7 +457,8 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="qrun,hf_static,hf_cb,llamacpp",
                     help=f"comma-separated, from {','.join(ALL_SYSTEMS)}")
     ap.add_argument("--model", default="smollm2-135m", help="qrun model alias or .gguf path")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="qrun and transformers dtype (auto: what qrun picks on this machine)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and llama.cpp threads")
     ap.add_argument("--batch-size", type=int, default=8, help="hf_static batch size")
@@ -409,6 +469,10 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=16, help="qrun KV block size (and hf_cb page size)")
     ap.add_argument("--kv-cache-memory", type=float, default=None,
                     help="qrun kv_cache_memory: bytes (> 1) or a fraction of free memory (default: engine's)")
+    ap.add_argument("--single-stream", type=int, default=128,
+                    help="then decode one request of this many tokens alone per system (0: skip)")
+    ap.add_argument("--busy-cores", type=int, default=0,
+                    help="keep this many cores busy with spinning processes while measuring")
     ap.add_argument("--json", default=None, help="write every run and the medians here")
     ap.add_argument("--profile", action="store_true", help="profile a few qrun engine steps")
     ap.add_argument("--profile-steps", type=int, default=8)
@@ -416,10 +480,71 @@ def parse_args(argv=None):
     if args.kv_cache_memory is not None and args.kv_cache_memory > 1:
         args.kv_cache_memory = int(args.kv_cache_memory)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in ALL_SYSTEMS]
+    unknown = [s for s in args.systems if s.partition("@")[0] not in ALL_SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS}")
     return args
+
+
+def build_system(spec: str, args, path: Path, requests: list[BenchRequest], built: dict):
+    """The system named by `spec` (SYSTEM or SYSTEM@VARIANT; see the module doc)."""
+    kind, _, variant = spec.partition("@")
+    qruns = [s for s in built.values() if isinstance(s, QrunSystem)]
+    if kind in ("qrun", "qrun_noprefix"):
+        return QrunSystem(spec, args, variant or args.model, prefix_caching=(kind == "qrun"))
+    if kind in ("hf_static", "hf_cb"):
+        if "_hf" not in built:
+            built["_hf"] = load_hf(path, args.dtype)
+        model, tok = built["_hf"]
+        if kind == "hf_static":
+            return HFStaticSystem(model, tok, args.batch_size)
+        # Sized like qrun's cache, but no bigger than the workload could use.
+        need = sum(len(hf_encode(tok, r.prompt)) + r.max_tokens for r in requests)
+        tokens = min(need, qruns[0].kv_tokens()) if qruns else need
+        num_blocks = -(-tokens // args.block_size) + args.max_num_seqs
+        return HFContinuousSystem(model, tok, page_size=args.block_size, num_blocks=num_blocks,
+                                  max_batch_tokens=args.max_batch_tokens, max_requests=args.max_num_seqs)
+    if kind == "llamacpp":
+        n_ctx = qruns[0].kv_tokens() if qruns else 32768
+        return LlamaCppSystem(spec, llamacpp_variant(path, variant or None), threads=args.threads, n_ctx=n_ctx,
+                              n_batch=args.max_batch_tokens, n_seq_max=args.max_num_seqs)
+    raise SystemExit(f"unknown system {spec!r}; choose from {', '.join(ALL_SYSTEMS)}")
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ratio_table(summary: list[dict]) -> str:
+    """Each qrun system's speed over every other system's: batched tok/s, and single-stream decode."""
+    mine = [r for r in summary if r["system"].startswith("qrun")]
+    rows = [["ratio (batched tok/s | single stream)"] + [r["system"] for r in summary]]
+    for q in mine:
+        rows.append([q["system"]] + [f"{q['tokens_per_s'] / r['tokens_per_s']:.2f}x | "
+                                     f"{q['single_stream_tok_s'] / r['single_stream_tok_s']:.2f}x" for r in summary])
+    return _table(rows)
+
+
+def roofline_table(summary: list[dict], systems: dict, stream: list[BenchRequest], args) -> str:
+    """Bytes a batch-1 decode step reads (weights + the single stream's mean context) times the
+    measured decode rate, as a share of the machine's read bandwidth."""
+    bandwidth = measure_read_bandwidth()
+    rows = [["system", "MB read per step", "roofline tok/s", "single-stream tok/s", "% of roofline"]]
+    for r in summary:
+        system = systems[r["system"]]
+        if not hasattr(system, "decode_bytes"):
+            continue
+        prompt = len(system.llm.tokenizer.encode(stream[0].prompt)) if hasattr(system, "llm") else len(
+            system._tokenize(stream[0].prompt))
+        step_bytes = system.decode_bytes(prompt + args.single_stream // 2)
+        roof = bandwidth / step_bytes
+        rows.append([r["system"], f"{step_bytes / 1e6:.1f}", f"{roof:.1f}", f"{r['single_stream_tok_s']:.1f}",
+                     f"{r['single_stream_tok_s'] / roof:.0%}"])
+    return f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)\n" + _table(rows)
 
 
 def main(argv=None) -> int:
@@ -433,36 +558,15 @@ def main(argv=None) -> int:
 
     systems: dict[str, object] = {}
     skipped: dict[str, str] = {}
-    for name in args.systems:
+    for spec in args.systems:
         t = time.perf_counter()
         try:
-            if name in ("qrun", "qrun_noprefix"):
-                systems[name] = QrunSystem(name, args, prefix_caching=(name == "qrun"))
-            elif name in ("hf_static", "hf_cb"):
-                if "_hf" not in systems:
-                    systems["_hf"] = load_hf(path, args.dtype)
-                model, tok = systems["_hf"]
-                if name == "hf_static":
-                    systems[name] = HFStaticSystem(model, tok, args.batch_size)
-                else:
-                    # Sized like qrun's cache, but no bigger than the workload could use.
-                    need = sum(len(hf_encode(tok, r.prompt)) + r.max_tokens for r in requests)
-                    qrun_sys = systems.get("qrun") or systems.get("qrun_noprefix")
-                    tokens = min(need, qrun_sys.kv_tokens()) if qrun_sys else need
-                    num_blocks = -(-tokens // args.block_size) + args.max_num_seqs
-                    systems[name] = HFContinuousSystem(model, tok, page_size=args.block_size, num_blocks=num_blocks,
-                                                       max_batch_tokens=args.max_batch_tokens,
-                                                       max_requests=args.max_num_seqs)
-            elif name == "llamacpp":
-                qrun_sys = systems.get("qrun") or systems.get("qrun_noprefix")
-                n_ctx = qrun_sys.kv_tokens() if qrun_sys else 32768
-                systems[name] = LlamaCppSystem(path, threads=args.threads, n_ctx=n_ctx,
-                                               n_batch=args.max_batch_tokens, n_seq_max=args.max_num_seqs)
+            systems[spec] = build_system(spec, args, path, requests, systems)
         except SkipSystem as why:
-            skipped[name] = str(why)
-            print(f"[{name}] skipped: {why}", flush=True)
+            skipped[spec] = str(why)
+            print(f"[{spec}] skipped: {why}", flush=True)
             continue
-        print(f"[{name}] loaded in {time.perf_counter() - t:.1f}s", flush=True)
+        print(f"[{spec}] loaded in {time.perf_counter() - t:.1f}s", flush=True)
     order = [s for s in args.systems if s in systems]
 
     if args.warmup:
@@ -476,35 +580,48 @@ def main(argv=None) -> int:
             print(f"[{name}] warm-up ({len(warm)} requests) {time.perf_counter() - t:.1f}s", flush=True)
 
     runs: dict[str, list[dict]] = {name: [] for name in order}
-    for rep in range(args.repeats):
-        for name in order:
-            result = systems[name].run(requests)
-            result["repeat"] = rep
-            runs[name].append(result)
-            print(f"[{name}] repeat {rep}: {result['tokens_per_s']:.1f} tok/s, wall {result['wall_s']:.2f}s, "
-                  f"TTFT p50 {result['ttft_p50_s']:.2f}s", flush=True)
+    single: dict[str, list[float]] = {name: [] for name in order}
+    stream = [BenchRequest("single", requests[0].prompt, args.single_stream)] if args.single_stream else []
+    with busy_cores(args.busy_cores):
+        for rep in range(args.repeats):
+            for name in order:
+                result = systems[name].run(requests)
+                result["repeat"] = rep
+                runs[name].append(result)
+                print(f"[{name}] repeat {rep}: {result['tokens_per_s']:.1f} tok/s, wall {result['wall_s']:.2f}s, "
+                      f"TTFT p50 {result['ttft_p50_s']:.2f}s", flush=True)
+            for name in order if stream else ():
+                systems[name].ids = None
+                one = systems[name].run(stream)
+                systems[name].ids = None
+                single[name].append((args.single_stream - 1) / (one["e2e_p50_s"] - one["ttft_p50_s"]))
+                print(f"[{name}] single stream {args.single_stream} tokens: {single[name][-1]:.1f} tok/s decode",
+                      flush=True)
 
     summary = [aggregate(runs[name]) for name in order]
+    for row in summary:
+        row["single_stream_tok_s"] = statistics.median(single[row["system"]]) if single[row["system"]] else math.nan
     print()
-    print(format_table(summary))
-    base = next((r for r in summary if r["system"] == "qrun"), None)
+    print(format_table(summary, baseline=order[0] if order else "qrun"))
+    base = next((r for r in summary if r["system"].startswith("qrun") and "tokens_computed" in r), None)
     if base:
-        print(f"\nqrun: {base['tokens_computed']} tokens computed for {base['tokens_required']} required "
+        print(f"\n{base['system']}: {base['tokens_computed']} tokens computed for {base['tokens_required']} required "
               f"(padding/recompute {base['padding_tokens']}, preemptions {base['preemptions']}); prefill computed "
               f"{base['prefill_tokens_computed']} of {base['prompt_tokens']} prompt tokens "
               f"({base['prefill_fraction']:.1%}); KV peak {base['kv_peak_blocks']} blocks x {base['kv_block_size']} "
               f"for {base['kv_live_tokens_at_peak']} live tokens (alloc/live {base['kv_alloc_over_live']:.3f}, "
               f"alloc/ceil {base['kv_alloc_over_ceil']:.3f}) of {base['kv_blocks_total']} blocks")
-        for r in summary:
-            if r is not base:
-                print(f"qrun vs {r['system']}: throughput {base['tokens_per_s'] / r['tokens_per_s']:.2f}x, "
-                      f"TTFT p50 {base['ttft_p50_s'] / r['ttft_p50_s']:.2f} of theirs")
+    print()
+    print(ratio_table(summary))
+    if stream:
+        print()
+        print(roofline_table(summary, systems, stream, args))
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
 
     profile = None
     if args.profile:
-        qname = "qrun" if "qrun" in systems else ("qrun_noprefix" if "qrun_noprefix" in systems else None)
+        qname = next((s for s in order if s.partition("@")[0] in ("qrun", "qrun_noprefix")), None)
         if qname is None:
             print("--profile needs qrun or qrun_noprefix among --systems")
         else:
@@ -514,7 +631,7 @@ def main(argv=None) -> int:
 
     if args.json:
         payload = {"args": {k: v for k, v in vars(args).items()}, "workload": os.path.abspath(args.workload),
-                   "torch_threads": torch.get_num_threads(), "summary": summary, "runs": runs,
+                   "torch_threads": torch.get_num_threads(), "summary": summary, "runs": runs, "single_stream": single,
                    "skipped": skipped, "profile": profile}
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
         print(f"\nwrote {args.json}")

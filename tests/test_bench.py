@@ -39,3 +39,20 @@ def test_qrun_bench_command_prints_a_table(tiny_llama_dir, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "tok/s" in out.stdout
     assert json.loads((tmp_path / "r.json").read_text())["generated_tokens"] == 12
+
+
+def test_decode_step_bytes_count_each_weight_once_and_one_embedding_row(tiny_llama_dir):
+    import torch
+
+    from qrun.bench import decode_step_bytes
+    from qrun.loader import load_model
+
+    model = load_model(tiny_llama_dir, dtype="float32", device="cpu").model
+    assert not model.config.tie_word_embeddings
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    embed = model.embed_tokens.weight
+    one_row_each = (embed.shape[1] + model.cos_sin.shape[1]) * 4
+    config = model.config
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    expected = weights - embed.numel() * 4 + one_row_each + 100 * kv_per_token
+    assert decode_step_bytes(model, 100, torch.bfloat16) == expected
