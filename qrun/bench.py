@@ -197,9 +197,12 @@ def decode_step_bytes(model, context: int, cache_dtype) -> int:
     plus the K/V of `context` tokens."""
     import torch
 
+    from qrun.cpu_gemv import HalfGemvLinear
     from qrun.quant import CpuQuantMatmul, QuantLinear
 
     def tensors(module) -> list:
+        if isinstance(module, HalfGemvLinear):  # a batch-1 step reads the float16 copy
+            return [t for t in (module.weight_f16, module.bias_f16) if t is not None]
         if isinstance(module, CpuQuantMatmul):
             pieces = [module.perm, module.dense, module.bias, *(module.low or ()), *(module.high or ())]
             return [t for t in pieces if t is not None]
@@ -212,9 +215,11 @@ def decode_step_bytes(model, context: int, cache_dtype) -> int:
 
     unique = {id(t): t for module in model.modules() for t in tensors(module)}
     total = sum(nbytes(t) for t in unique.values())
-    # Tables read one row a step: the rotary table, and the embedding unless it is also the head.
+    # Tables read one row a step: the rotary table, and the embedding unless the head reads it
+    # whole (tied, and not through a float16 copy of its own).
     tables = [model.cos_sin]
-    if getattr(model.lm_head, "weight", None) is not model.embed_tokens.weight:
+    head = model.lm_head
+    if getattr(head, "weight", None) is not model.embed_tokens.weight or isinstance(head, HalfGemvLinear):
         tables.append(model.embed_tokens.weight)
     total -= sum(nbytes(t) - nbytes(t[0]) for t in tables)
     config = model.config

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qrun.config import ModelConfig
+from qrun.cpu_gemv import half_gemv_applies, use_half_gemv
 from qrun.errors import ModelLoadError
 from qrun.model import Transformer
 from qrun.sources import ModelSource, resolve
@@ -198,5 +199,7 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
         prepare_quantized_linears(net)
     if fuse_projections:
         net.fuse_projections()
+    if half_gemv_applies(torch_device, torch_dtype):
+        use_half_gemv(net)
     net.eval().requires_grad_(False)
     return LoadedModel(net, config, make_tokenizer(list(config.eos_token_ids)), source, hf_config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from qrun.cpu_gemv import GEMV_ROWS, bfloat16_only, uses_half_gemv
 from qrun.loader import LoadedModel
 from qrun.model import AttentionMetadata, KVCache
 from qrun.scheduler import ScheduledBatch
@@ -16,6 +17,7 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.half_gemv = uses_half_gemv(self.model)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -66,7 +68,11 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, self.kv_cache)
+        ids, positions = tensor(input_ids, torch.int64), tensor(positions, torch.int64)
+        hidden = self.model(ids, positions, meta, self.kv_cache)
+        if self.half_gemv and len(input_ids) <= GEMV_ROWS and not torch.isfinite(hidden).all():
+            with bfloat16_only(self.model):  # an activation past float16's range: this step in bfloat16
+                hidden = self.model(ids, positions, meta, self.kv_cache)
         if not sampling:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampling
         return self.model.compute_logits(hidden[tensor(sample_rows, torch.int64)]), sampling

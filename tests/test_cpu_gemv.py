@@ -1,0 +1,60 @@
+"""Dense linears decode small batches through a float16 copy and fall back where it overflows."""
+
+import pytest
+import torch
+from torch import nn
+
+from qrun.cpu_gemv import HalfGemvLinear, bfloat16_only, use_half_gemv
+
+
+def linear(k=64, n=48, bias=True):
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    return lin, HalfGemvLinear(lin)
+
+
+def test_one_row_matches_the_bfloat16_linear():
+    lin, half = linear()
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    got = half(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 48)
+    exact = x.float() @ lin.weight.float().T + lin.bias.float()
+    assert (got.float() - exact).abs().max() <= (lin(x).float() - exact).abs().max() + 0.02
+
+
+def test_many_rows_use_the_bfloat16_weight_exactly():
+    lin, half = linear()
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    torch.testing.assert_close(half(x), lin(x), rtol=0, atol=0)
+
+
+def test_bfloat16_only_runs_the_bfloat16_weight():
+    lin, half = linear(bias=False)
+    x = torch.full((1, 64), 1e5).to(torch.bfloat16)  # past float16's 65504
+    assert not torch.isfinite(half(x)).all()
+    with bfloat16_only(nn.Sequential(half)):
+        torch.testing.assert_close(half(x), lin(x), rtol=0, atol=0)
+    assert half.enabled
+
+
+def test_a_step_past_float16_range_reruns_in_bfloat16(tiny_llama_dir):
+    from qrun import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory=1 << 22)
+    runner = llm.engine.runner
+    if not runner.half_gemv:
+        pytest.skip("float16 GEMV does not apply on this CPU")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with bfloat16_only(runner.model):
+        expected = llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids
+    for layer in runner.model.layers:  # as if every float16 product overflowed
+        layer.mlp.down_proj.weight_f16.fill_(float("inf"))
+    assert llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids == expected
+
+
+def test_every_dense_linear_is_swapped_keeping_its_weight():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    weight = model[1][0].weight
+    use_half_gemv(model)
+    assert isinstance(model[0], HalfGemvLinear) and isinstance(model[1][0], HalfGemvLinear)
+    assert model[1][0].weight is weight
