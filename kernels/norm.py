@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qrun.kernels.dtype import cast
+
 
 def rms_norm_ref(
     x: torch.Tensor,
@@ -20,7 +22,7 @@ def rms_norm_ref(
     if residual is not None:
         x = x + residual
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    return F.rms_norm(x.to(dtype), x.shape[-1:], weight.to(dtype), eps), x
+    return F.rms_norm(cast(x, dtype), x.shape[-1:], cast(weight, dtype), eps), x
 
 
 # ---------------------------------------------------------------------------------------------

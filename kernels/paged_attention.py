@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qrun.kernels.dtype import cast
+
 
 @dataclass
 class _DecodeGroup:
@@ -143,20 +145,20 @@ def paged_attention_ref(
         out = torch.empty_like(q)
     plan = _attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     dtype = _compute_dtype(k_cache)
-    queries = q.to(dtype)
+    queries = cast(q, dtype)
     for group in plan.decode_groups:
         b = len(group.rows)
-        k = _context(k_cache, group.blocks, b, group.length).to(dtype)
-        v = _context(v_cache, group.blocks, b, group.length).to(dtype)
+        k = cast(_context(k_cache, group.blocks, b, group.length), dtype)
+        v = cast(_context(v_cache, group.blocks, b, group.length), dtype)
         attended = F.scaled_dot_product_attention(queries[group.rows].unsqueeze(2), k, v, attn_mask=group.mask,
                                                   scale=scale, enable_gqa=True)
-        out[group.rows] = attended.squeeze(2).to(out.dtype)
+        out[group.rows] = cast(attended.squeeze(2), out.dtype)
     for chunk in plan.prefills:
-        k = _context(k_cache, chunk.blocks, 1, chunk.length).to(dtype)
-        v = _context(v_cache, chunk.blocks, 1, chunk.length).to(dtype)
+        k = cast(_context(k_cache, chunk.blocks, 1, chunk.length), dtype)
+        v = cast(_context(v_cache, chunk.blocks, 1, chunk.length), dtype)
         attended = F.scaled_dot_product_attention(queries[chunk.rows].transpose(0, 1).unsqueeze(0), k, v,
                                                   attn_mask=chunk.mask, scale=scale, enable_gqa=True)
-        out[chunk.rows] = attended[0].transpose(0, 1).to(out.dtype)
+        out[chunk.rows] = cast(attended[0].transpose(0, 1), out.dtype)
     return out
 
 

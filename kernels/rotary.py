@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from qrun.kernels.dtype import cast
+
 
 def rotary_cos_sin(inv_freq: list[float], max_positions: int, device: torch.device | str) -> torch.Tensor:
     """[max_positions, D] table: cos in the first D/2 columns, sin in the last D/2 (float32)."""
@@ -21,9 +23,9 @@ def apply_rotary_ref(
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
+        x = cast(x, torch.float32)
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.addcmul(x * cos2, torch.cat([x2, x1], dim=-1), sin2).to(q.dtype)
+        return cast(torch.addcmul(x * cos2, torch.cat([x2, x1], dim=-1), sin2), q.dtype)
 
     return rotate(q), rotate(k)
 
