@@ -50,12 +50,7 @@ def test_tied_head_is_quantized_and_stored_untied(tiny_checkpoints, calib_file, 
     assert not config["tie_word_embeddings"] and "lm_head" in config["quantization_config"]["modules"]
     quant = load_model(out, dtype="float32", device="cpu")
     assert isinstance(quant.model.lm_head, QuantLinear)
-    orig = load_model(tied, dtype="float32", device="cpu")
-    ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))
-    logits = [_logits(m.model, ids) for m in (orig, quant)]
-    kl = torch.nn.functional.kl_div(logits[1].log_softmax(-1), logits[0].log_softmax(-1), log_target=True,
-                                    reduction="batchmean")
-    assert kl < 0.05
+    assert _sentence_kl(load_model(tied, dtype="float32", device="cpu"), quant) < 0.05
 
 
 def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
@@ -79,16 +74,20 @@ def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
     assert quant.model.layers[0].self_attn.qkv_proj is not None
     assert isinstance(quant.model.lm_head, QuantLinear)
     orig = load_model(tiny_llama_dir, dtype="float32", device="cpu")
-    ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))
-    logits = [_logits(m.model, ids) for m in (orig, quant)]
-    kl = torch.nn.functional.kl_div(logits[1].log_softmax(-1), logits[0].log_softmax(-1), log_target=True,
-                                    reduction="batchmean")
-    assert kl < 0.05  # random tiny weights, 4 bpw: close to the original
+    assert _sentence_kl(orig, quant) < 0.05  # random tiny weights, 4 bpw: close to the original
 
     llm = LLM(str(out), device="cpu", kv_cache_memory=1 << 24)
     result = llm.generate(["Hello there"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
                           progress=False)
     assert len(result[0].outputs[0].token_ids) == 5
+
+
+def _sentence_kl(orig, quant) -> float:
+    """KL(orig || quant) of the next-token distributions over one sentence."""
+    ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))
+    logits = [_logits(m.model, ids) for m in (orig, quant)]
+    return float(torch.nn.functional.kl_div(logits[1].log_softmax(-1), logits[0].log_softmax(-1), log_target=True,
+                                            reduction="batchmean"))
 
 
 def _logits(model, ids):
