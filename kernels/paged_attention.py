@@ -36,7 +36,7 @@ class _PrefillChunk:
     rows: slice  # the chunk's query rows
     blocks: torch.Tensor  # [w] blocks holding its context
     length: int  # context length, the chunk included
-    mask: torch.Tensor  # [n, length] causal mask of the chunk's queries
+    mask: torch.Tensor | None  # [n, length] causal mask after a cached prefix; None: plain causal
 
 
 @dataclass
@@ -106,8 +106,10 @@ def _attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
         if n <= 1:
             continue
         length = lens[s]
-        query_pos = torch.arange(length - n, length, device=device)
-        mask = torch.arange(length, device=device)[None, :] <= query_pos[:, None]
+        mask = None  # a whole prompt: SDPA's own causal mask (up to 1.4x faster than an explicit one)
+        if length > n:
+            query_pos = torch.arange(length - n, length, device=device)
+            mask = torch.arange(length, device=device)[None, :] <= query_pos[:, None]
         blocks = block_tables[s, :-(-length // block_size)].long()
         prefills.append(_PrefillChunk(slice(starts[s], starts[s + 1]), blocks, length, mask))
     groups = _decode_groups(decodes, lens, block_tables, block_size, starts) if decodes else []
@@ -157,7 +159,8 @@ def paged_attention_ref(
         k = cast(_context(k_cache, chunk.blocks, 1, chunk.length), dtype)
         v = cast(_context(v_cache, chunk.blocks, 1, chunk.length), dtype)
         attended = F.scaled_dot_product_attention(queries[chunk.rows].transpose(0, 1).unsqueeze(0), k, v,
-                                                  attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+                                                  attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+                                                  enable_gqa=True)
         out[chunk.rows] = cast(attended[0].transpose(0, 1), out.dtype)
     return out
 
