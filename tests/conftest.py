@@ -99,5 +99,9 @@ def workload():
 
 
 def pytest_configure(config) -> None:
-    # Two cores: more threads only contend. Tests compare numbers, never time.
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # Two cores: more threads only contend. Tests compare numbers, never time, so the engine's
+    # load-following thread count is fixed too (subprocesses inherit it): a count changing
+    # between two runs a test compares could change their last bits.
+    threads = min(2, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("QRUN_THREADS", str(threads))
