@@ -68,11 +68,17 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             max_seq_len=max(seq_lens),
         )
-        ids, positions = tensor(input_ids, torch.int64), tensor(positions, torch.int64)
-        hidden = self.model(ids, positions, meta, self.kv_cache)
-        if self.half_gemv and len(input_ids) <= GEMV_ROWS and not torch.isfinite(hidden).all():
-            with bfloat16_only(self.model):  # an activation past float16's range: this step in bfloat16
-                hidden = self.model(ids, positions, meta, self.kv_cache)
-        if not sampling:
+        ids, positions, rows = (tensor(v, torch.int64) for v in (input_ids, positions, sample_rows))
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden = self.model(ids, positions, meta, self.kv_cache)
+            return hidden, self.model.compute_logits(hidden[rows]) if sampling else None
+
+        hidden, logits = forward()
+        if (self.half_gemv and len(input_ids) <= GEMV_ROWS and not (
+                torch.isfinite(hidden).all() and (logits is None or torch.isfinite(logits).all()))):
+            with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
+                hidden, logits = forward()
+        if logits is None:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampling
-        return self.model.compute_logits(hidden[tensor(sample_rows, torch.int64)]), sampling
+        return logits, sampling

@@ -47,6 +47,10 @@ def test_a_step_past_float16_range_reruns_in_bfloat16(tiny_llama_dir):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with bfloat16_only(runner.model):
         expected = llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids
+    head_f16 = runner.model.lm_head.weight_f16.clone()
+    runner.model.lm_head.weight_f16.fill_(float("inf"))  # the head alone overflows
+    assert llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids == expected
+    runner.model.lm_head.weight_f16.copy_(head_f16)
     for layer in runner.model.layers:  # as if every float16 product overflowed
         layer.mlp.down_proj.weight_f16.fill_(float("inf"))
     assert llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids == expected
