@@ -68,14 +68,17 @@ def _decode_groups(decodes: list[int], lens: list[int], block_tables: torch.Tens
     device = block_tables.device
     by_length = sorted(decodes, key=lambda s: lens[s], reverse=True)
     members: list[list[int]] = []
+    real = 0  # keys the newest group really holds
     for s in by_length:
-        group = members[-1] if members else None
-        if group is not None:
+        if members:
+            group = members[-1]
             padded = -(-lens[group[0]] // block_size) * block_size * (len(group) + 1)
-            if padded <= MAX_GROUP_PADDING * (sum(lens[g] for g in group) + lens[s]):
+            if padded <= MAX_GROUP_PADDING * (real + lens[s]):
                 group.append(s)
+                real += lens[s]
                 continue
         members.append([s])
+        real = lens[s]
     groups = []
     for group in members:
         width = -(-lens[group[0]] // block_size)

@@ -23,9 +23,9 @@ def apply_rotary_ref(
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x = cast(x, torch.float32)
-        x1, x2 = x.chunk(2, dim=-1)
-        return cast(torch.addcmul(x * cos2, torch.cat([x2, x1], dim=-1), sin2), q.dtype)
+        xf = cast(x, torch.float32)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return cast(torch.addcmul(xf * cos2, torch.cat([x2, x1], dim=-1), sin2), x.dtype)
 
     return rotate(q), rotate(k)
 

@@ -40,8 +40,7 @@ class HalfGemvLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_f16 = linear.weight.detach().to(torch.float16)
         self.bias_f16 = None if linear.bias is None else linear.bias.detach().to(torch.float16)
-
-        self.enabled = True
+        self.enabled = True  # False inside bfloat16_only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:

@@ -51,12 +51,13 @@ class CpuThreads:
     """Adjusts torch's thread count to the cores other processes leave free (see module doc)."""
 
     def __init__(self) -> None:
-        fixed = os.environ.get("QRUN_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        if os.environ.get("QRUN_THREADS"):
-            if not fixed.isdigit() or int(fixed) < 1:
-                raise ValueError(f"QRUN_THREADS={fixed!r} must be a positive whole number of threads")
-            torch.set_num_threads(int(fixed))
-        self.adaptive = fixed is None and os.path.exists("/proc/stat")
+        chosen = os.environ.get("QRUN_THREADS")
+        if chosen:
+            if not chosen.isdigit() or int(chosen) < 1:
+                raise ValueError(f"QRUN_THREADS={chosen!r} must be a positive whole number of threads")
+            torch.set_num_threads(int(chosen))
+        fixed = chosen or os.environ.get("OMP_NUM_THREADS")
+        self.adaptive = not fixed and os.path.exists("/proc/stat")
         self.max_threads = torch.get_num_threads()
         self.cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         self._last = self._sample() if self.adaptive else None

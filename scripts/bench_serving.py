@@ -79,7 +79,9 @@ class QrunSystem:
         self.llm = LLM(model, **kwargs)
         self.ids: list[list[int]] | None = None
 
-    def decode_bytes(self, context: int) -> int:
+    def decode_bytes(self, prompt: str, decoded: int) -> int:
+        """Bytes of a batch-1 decode step after `prompt` and `decoded` tokens."""
+        context = len(self.llm.tokenizer.encode(prompt)) + decoded
         return decode_step_bytes(self.llm.engine.runner.model, context, self.llm.engine.runner.kv_cache.k.dtype)
 
     def kv_tokens(self) -> int:
@@ -337,8 +339,9 @@ class LlamaCppSystem:
         heads, kv_heads = llama_cpp.llama_model_n_head(self.model), llama_cpp.llama_model_n_head_kv(self.model)
         self.kv_bytes_per_token = 2 * n_layer * kv_heads * (n_embd // heads) * 2  # float16 cache
 
-    def decode_bytes(self, context: int) -> int:
-        return gguf_decode_bytes(self.path, context, self.kv_bytes_per_token)
+    def decode_bytes(self, prompt: str, decoded: int) -> int:
+        """Bytes of a batch-1 decode step after `prompt` and `decoded` tokens."""
+        return gguf_decode_bytes(self.path, len(self._tokenize(prompt)) + decoded, self.kv_bytes_per_token)
 
     def _tokenize(self, text: str) -> list[int]:
         lc = self.lc
@@ -538,9 +541,7 @@ def roofline_table(summary: list[dict], systems: dict, stream: list[BenchRequest
         system = systems[r["system"]]
         if not hasattr(system, "decode_bytes"):
             continue
-        prompt = len(system.llm.tokenizer.encode(stream[0].prompt)) if hasattr(system, "llm") else len(
-            system._tokenize(stream[0].prompt))
-        step_bytes = system.decode_bytes(prompt + args.single_stream // 2)
+        step_bytes = system.decode_bytes(stream[0].prompt, args.single_stream // 2)
         roof = bandwidth / step_bytes
         rows.append([r["system"], f"{step_bytes / 1e6:.1f}", f"{roof:.1f}", f"{r['single_stream_tok_s']:.1f}",
                      f"{r['single_stream_tok_s'] / roof:.0%}"])
