@@ -1,12 +1,14 @@
 """Quantized linear layers: the module the loader swaps in, and its execution paths.
 
-Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`):
+Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`, choosing by
+`matmul_path`):
 - the Triton backend (CUDA, or QRUN_KERNELS=triton): the `dequant_matmul` op of `qrun.kernels`;
 - CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`, built at load (`prepare_quantized_linears`):
   every group width runs exactly on `aten._weight_int4pack_mm_for_cpu` (5-8-bit codes as two
   4-bit digits); linears sharing an input in the same order (q/k/v, gate/up) run as one
   (`QuantLinear.fuse`, called by the model's `fuse_projections`).
-- CPU, `QRUN_QUANT_CPU=ref`: `dequant_matmul_ref` (float32 dequantize, then matmul).
+- CPU with `QRUN_QUANT_CPU=ref`, and any other device on the torch backend (CUDA with
+  `QRUN_KERNELS=torch`): `dequant_matmul_ref` (float32 dequantize, then matmul).
 A rotated matrix (stored in a rotated input basis) rotates its input first, on every path,
 unless linears sharing an input also share its rotation (q/k/v, gate/up: quantized together):
 then the model rotates that input once (`share_input_rotations`).
@@ -38,6 +40,15 @@ def cpu_mode() -> str:
     if mode not in CPU_MODES:
         raise ValueError(f"QRUN_QUANT_CPU={mode!r} is not one of {', '.join(CPU_MODES)}")
     return mode
+
+
+def matmul_path(device: torch.device) -> str:
+    """How quantized linears on `device` multiply: "triton" (the kernels' backend chose Triton),
+    "cpu_int4" (torch's int4 CPU kernel; only the CPU has it) or "reference" (dequantize, then
+    matmul: runs on any device, e.g. CUDA with QRUN_KERNELS=torch)."""
+    if backend(device) == "triton":
+        return "triton"
+    return "cpu_int4" if device.type == "cpu" and cpu_mode() == "fast" else "reference"
 
 
 class QuantLinear(nn.Module):
@@ -107,9 +118,9 @@ class QuantLinear(nn.Module):
             x2 = rotate(x2, self.input_signs())
         if self.cpu_matmul is not None:  # prepared at load: the dispatch below was decided then
             y = self.cpu_matmul(x2)
-        elif backend(x.device) == "triton":
+        elif (path := matmul_path(x.device)) == "triton":
             y = ops_for(x.device).dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
-        elif cpu_mode() == "ref":
+        elif path == "reference":
             y = dequant_matmul_ref(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         else:
             self.prepare_cpu()
@@ -274,7 +285,7 @@ def share_input_rotations(model: nn.Module) -> None:
 def prepare_quantized_linears(model: nn.Module) -> None:
     """Build every quantized linear's CPU fast path at load, so the first request does not wait."""
     for module in model.modules():
-        if isinstance(module, QuantLinear) and backend(module.qweight.device) == "torch" and cpu_mode() == "fast":
+        if isinstance(module, QuantLinear) and matmul_path(module.qweight.device) == "cpu_int4":
             module.prepare_cpu()
 
 

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from qrun.convert.gptq import Candidate, HessianAccumulator, gptq_quantize
-from qrun.quant import QuantLinear
+from qrun import quant
+from qrun.quant import QuantLinear, matmul_path, prepare_quantized_linears
 
 
 def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int = 0):
@@ -94,3 +95,22 @@ def test_linears_permuted_differently_are_not_fused():
     b.prepare_cpu()
     assert not torch.equal(a.perm, b.perm)
     assert QuantLinear.fuse([a, b]) is None
+
+
+def test_torch_backend_on_a_gpu_dequantizes_instead_of_using_the_cpu_only_int4_kernel(monkeypatch):
+    monkeypatch.setenv("QRUN_KERNELS", "torch")
+    assert matmul_path(torch.device("cuda")) == "reference"
+    assert matmul_path(torch.device("cpu")) == "cpu_int4"
+    monkeypatch.setenv("QRUN_KERNELS", "auto")
+    assert matmul_path(torch.device("cuda")) == "triton"
+    assert matmul_path(torch.device("cpu")) == "cpu_int4"
+
+    # A module whose weights sit where the CPU kernel does not exist (the device check faked):
+    # nothing is prepared for the CPU at load, and its forward dequantizes.
+    module, result = quant_linear(Candidate(64, ((4, 0.5), (3, 0.5))), 256, 32)
+    monkeypatch.setattr(quant, "matmul_path", lambda device: "reference")
+    prepare_quantized_linears(module)
+    assert module.cpu_matmul is None
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(module(x), x @ result.dequantized().T, rtol=1e-4, atol=1e-4)
+    assert module.cpu_matmul is None
