@@ -24,7 +24,7 @@ from qrun.convert.gptq import Candidate
 from qrun.convert.job import ConvertError, Job, load_other_tensors, split_source
 from qrun.convert.measure import PRESETS, block_bits, block_weights, run_measurement
 from qrun.convert.optimize import bpw_range, optimize
-from qrun.convert.packing import BIT_WIDTHS, FORMAT_VERSION
+from qrun.convert.packing import BIT_WIDTHS, DEFAULT_HEAD_BITS, FORMAT_VERSION
 from qrun.convert.quantize import quantize_head, run_quantize
 from qrun.errors import ModelLoadError
 from qrun.kernels.rotary import rotary_cos_sin
@@ -84,8 +84,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="model to convert: HF folder, hub id, .gguf file or alias (never modified)")
     parser.add_argument("out", help="output folder (written via a temporary folder, renamed when complete)")
     parser.add_argument("--bits", type=float, required=True, help="target bits per weight of the decoder layers")
-    parser.add_argument("--head-bits", type=int, default=6,
-                        help="bits of lm_head (default 6); a head tied to the embedding is stored untied")
+    parser.add_argument("--head-bits", type=int, default=DEFAULT_HEAD_BITS,
+                        help=f"bits of lm_head (default {DEFAULT_HEAD_BITS}); a head tied to the embedding is stored untied")
     parser.add_argument("--calib", nargs="+", metavar="FILE",
                         help="calibration text: .txt, .jsonl (text field) or .parquet (text column); "
                              "default: shared/data/text/brown_[a-j]*.txt")
@@ -140,7 +140,7 @@ def _load_measurement(path: Path, config) -> tuple[list[dict], list[Candidate]]:
     return blocks, cands
 
 
-def convert(src, out, *, bits: float, head_bits: int = 6, calib=None, calib_rows=None, calib_len=None,
+def convert(src, out, *, bits: float, head_bits: int = DEFAULT_HEAD_BITS, calib=None, calib_rows=None, calib_len=None,
             measurement=None, force: bool = False, preset: str = "default", quiet: bool = True) -> dict:
     """Convert `src` into a quantized folder `out`; returns the summary (also in config.json)."""
 

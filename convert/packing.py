@@ -28,6 +28,7 @@ from qrun.kernels.dequant_matmul import unpack_rows
 FORMAT_VERSION = 3  # quantization_config.version: 2 stores group scales and mins as 8-bit codes, 3 adds rotations
 READABLE_VERSIONS = (2, 3)  # version 2 is version 3 without rotated matrices
 BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
+DEFAULT_HEAD_BITS = 6  # lm_head's bits when `qrun convert` is not told (--head-bits)
 CHUNK = 32  # rows packed together: 32 values of b bits fill exactly b words
 
 

@@ -195,9 +195,8 @@ def decode_step_bytes(model, context: int, cache_dtype) -> int:
     """Bytes a batch-1 decode step of `model` reads: every tensor its forward touches (the
     embedding: one row; a quantized linear: the form it runs, not the packed file tensors),
     plus the K/V of `context` tokens."""
-    import torch
-
     from qrun.cpu_gemv import HalfGemvLinear
+    from qrun.memory_plan import kv_bytes_per_token
     from qrun.quant import CpuQuantMatmul, QuantLinear
 
     def tensors(module) -> list:
@@ -222,9 +221,7 @@ def decode_step_bytes(model, context: int, cache_dtype) -> int:
     if getattr(head, "weight", None) is not model.embed_tokens.weight or isinstance(head, HalfGemvLinear):
         tables.append(model.embed_tokens.weight)
     total -= sum(nbytes(t) - nbytes(t[0]) for t in tables)
-    config = model.config
-    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty(0, dtype=cache_dtype).element_size()
-    return total + context * kv_per_token
+    return total + context * kv_bytes_per_token(model.config, cache_dtype)
 
 
 def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:

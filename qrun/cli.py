@@ -267,18 +267,24 @@ def _write_jsonl(records: list[dict[str, Any]], output: str | None) -> None:
 INFO_EPILOG = """\
 examples:
   qrun info smollm2-135m
-  qrun info ./my-model-q4 --kv-cache-memory 2GiB --block-size 32"""
+  qrun info ./my-model-q4 --kv-cache-memory 2GiB --block-size 32
+  qrun info smollm2-135m --gpu-memory 8GiB                # what fits on an 8 GiB card
+  qrun info ./llama-3-8b --gpu rtx4090 --bits 4.0         # config.json alone is enough"""
 
 
 def run_info(args: argparse.Namespace) -> None:
+    if args.gpu_memory is not None or args.gpu is not None:
+        return run_info_plan(args)
     from rich.console import Console
     from rich.table import Table
 
     from qrun.llm_engine import DEFAULT_KV_FRACTION, EngineConfig, available_memory
     from qrun.loader import load_model
-    from qrun.model import KVCache
+    from qrun.memory_plan import kv_blocks, kv_bytes_per_token
     from qrun.quant import QuantLinear
 
+    if args.bits is not None or args.head_bits is not None:
+        raise UsageError("--bits and --head-bits plan a quantized model on a card: give --gpu-memory or --gpu too")
     config = EngineConfig(model=args.model, **engine_args_from(args))
     with Console(stderr=True).status(f"loading {args.model}"):
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
@@ -300,24 +306,21 @@ def run_info(args: argparse.Namespace) -> None:
             params += p.numel()
             bits += p.numel() * p.element_size() * 8
     max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-    per_block = KVCache.bytes_per_block(mc, config.block_size, loaded.dtype)
     memory = config.kv_cache_memory
     budget = memory if isinstance(memory, int) else int(
         available_memory(loaded.device) * (memory or DEFAULT_KV_FRACTION.get(loaded.device.type, 0.1)))
-    kv_tokens = budget // per_block * config.block_size
+    kv_tokens = config.block_size * kv_blocks(budget, mc, loaded.dtype, config.block_size, config.max_num_seqs, max_len)
 
     console = Console(highlight=False)
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_row("model", f"{args.model} ({loaded.source.kind}: {loaded.source.path})")
-    table.add_row("architecture", f"{mc.architecture}: {mc.num_layers} layers, hidden {mc.hidden_size}, "
-                  f"{mc.num_heads} heads ({mc.num_kv_heads} KV) x {mc.head_dim}, vocab {mc.vocab_size}")
-    table.add_row("context", f"{max_len} tokens" + (f" (model: {mc.max_model_len})" if max_len != mc.max_model_len
-                                                    else ""))
+    _architecture_rows(table, mc, max_len)
     table.add_row("parameters", f"{params / 1e6:,.1f} M")
     table.add_row("dtype", f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}")
-    table.add_row("weights", f"{bits / 8 / 2**20:,.1f} MiB, {bits / max(params, 1):.2f} bits per weight")
-    table.add_row("KV cache", f"{kv_tokens:,} tokens in {budget / 2**20:,.1f} MiB "
-                  f"({per_block * 1024 // config.block_size / 1024:,.1f} KiB per token, block {config.block_size})")
+    table.add_row("weights", f"{_size(bits / 8)}, {bits / max(params, 1):.2f} bits per weight")
+    table.add_row("KV cache", f"{kv_tokens:,} tokens in {_size(budget)} "
+                  f"({_size(kv_bytes_per_token(mc, loaded.dtype))} per token, block {config.block_size}; "
+                  f"at most {config.max_num_seqs} sequences x {max_len} tokens)")
     qconfig = loaded.hf_config.get("quantization_config")
     if isinstance(qconfig, dict):
         scalars = ", ".join(f"{k}={v}" for k, v in qconfig.items() if isinstance(v, (str, int, float, bool)))
@@ -330,6 +333,90 @@ def run_info(args: argparse.Namespace) -> None:
             layers.add_row(name, f"{module.out_features}x{module.in_features}", str(module.group_size), runs,
                            f"{module.layout.bpw():.3f}")
         console.print(layers)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes:,.0f} B"
+
+
+def _architecture_rows(table, mc, max_len: int) -> None:
+    table.add_row("architecture", f"{mc.architecture}: {mc.num_layers} layers, hidden {mc.hidden_size}, "
+                  f"{mc.num_heads} heads ({mc.num_kv_heads} KV) x {mc.head_dim}, vocab {mc.vocab_size}")
+    table.add_row("context", f"{max_len} tokens" + (f" (model: {mc.max_model_len})" if max_len != mc.max_model_len
+                                                    else ""))
+
+
+def run_info_plan(args: argparse.Namespace) -> None:
+    """What fits on a card, from the model's config alone."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import torch
+
+    from qrun.config import ModelConfig
+    from qrun.convert.packing import DEFAULT_HEAD_BITS
+    from qrun.llm_engine import EngineConfig
+    from qrun.loader import read_model_config
+    from qrun.memory_plan import CARDS, PLANNED_HEAD_EXTRA_BITS, plan
+
+    card = None
+    if args.gpu is not None:
+        card = CARDS.get(args.gpu.lower())
+        if card is None:
+            raise UsageError(f"--gpu {args.gpu!r} is not a card qrun knows; known: {', '.join(CARDS)} "
+                             "(or give --gpu-memory)")
+    memory = args.gpu_memory if args.gpu_memory is not None else card.memory
+    if not isinstance(memory, int):
+        raise UsageError("--gpu-memory takes the card's size in bytes (24GiB), not a fraction")
+    if args.dtype not in (None, "auto", "float16", "bfloat16"):
+        raise UsageError(f"--dtype {args.dtype}: a GPU plan is for float16 or bfloat16")
+    engine = EngineConfig(model=args.model, **engine_args_from(args))
+    hf_config = read_model_config(args.model)
+    mc = ModelConfig.from_hf(hf_config)
+    qconfig = hf_config.get("quantization_config") or {}
+    linear_bpw, head_bpw = args.bits, None
+    if args.bits is not None:
+        head_bpw = (args.head_bits or DEFAULT_HEAD_BITS) + PLANNED_HEAD_EXTRA_BITS
+    elif qconfig.get("quant_method") == "qrun-exl":
+        linear_bpw, head_bpw = qconfig.get("achieved_bpw"), qconfig.get("head_bpw")
+    dtype = {"bfloat16": torch.bfloat16}.get(args.dtype, torch.float16)
+    result = plan(mc, memory, dtype=dtype, linear_bpw=linear_bpw, head_bpw=head_bpw, block_size=engine.block_size,
+                  max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+                  max_model_len=engine.max_model_len)
+    w = result.weights
+    console = Console(highlight=False)
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    table.add_row("model", args.model)
+    _architecture_rows(table, mc, result.max_model_len)
+    table.add_row("card", (f"{card.name}: {_size(memory)}, {card.bandwidth / 1e9:,.0f} GB/s" if card
+                           else _size(memory)))
+    weights = "dense " + str(dtype).removeprefix("torch.") if linear_bpw is None else f"layers at {linear_bpw:.2f} bpw"
+    if head_bpw:
+        weights += f", head at {head_bpw:.2f} bpw"
+    table.add_row("weights", f"{_size(w.total)} ({weights}; embedding {_size(w.embedding)})")
+    table.add_row("reserve", f"{_size(result.reserve)} (CUDA context and workspaces, and one step's activations "
+                  f"at {engine.max_num_batched_tokens} tokens / {engine.max_num_seqs} sequences)")
+    if not result.fits:
+        table.add_row("KV cache", f"[red]does not fit[/red]: {_size(memory)} - weights - reserve leaves "
+                      f"{_size(result.kv_budget)}; use fewer bits (--bits), a bigger card, or lower "
+                      "--max-num-batched-tokens / --max-num-seqs")
+        console.print(table)
+        return
+    table.add_row("KV cache", f"{result.kv_tokens:,} tokens ({str(dtype).removeprefix('torch.')}) in "
+                  f"{_size(result.kv_budget)}, block {result.block_size}")
+    lengths = sorted({n for n in (1024, 4096, result.max_model_len) if n <= result.max_model_len})
+    table.add_row("concurrent sequences", ", ".join(
+        f"{result.concurrent_sequences(n)} x {n} tokens" for n in lengths)
+        + f" (--max-num-seqs caps at {result.max_num_seqs})")
+    if card:
+        table.add_row("decode roofline", ", ".join(
+            f"{result.decode_tokens_per_second(card.bandwidth, n):,.0f} tok/s at {n} tokens of context"
+            for n in (1, *lengths)) + " (one stream, every byte read once at the card's bandwidth)")
+    console.print(table)
 
 
 # -- the parser and main -----------------------------------------------------------------------
@@ -391,6 +478,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
     info = add("info", "show a model's architecture, size, quantization and KV cache capacity", INFO_EPILOG)
     _model_argument(info)
+    card = info.add_argument_group("what fits on a GPU (reads config.json only)")
+    card.add_argument("--gpu-memory", type=parse_memory, metavar="SIZE", help="the card's memory (24GiB)")
+    card.add_argument("--gpu", metavar="CARD", help="a known card, for its memory and bandwidth (rtx4090, a100-80gb, ...)")
+    card.add_argument("--bits", type=float, help="plan the model converted to this many bits per weight")
+    card.add_argument("--head-bits", type=int, help="with --bits: the converted head's bits (qrun convert's default)")
     info.set_defaults(run=run_info)
     add_engine_arguments(info)
 

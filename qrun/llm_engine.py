@@ -13,7 +13,7 @@ from qrun.block_manager import BlockManager
 from qrun.cpu_threads import CpuThreads
 from qrun.errors import QrunError, RequestError
 from qrun.loader import load_model
-from qrun.model import KVCache
+from qrun.memory_plan import kv_blocks, kv_bytes_per_token
 from qrun.model_runner import ModelRunner
 from qrun.sampler import sample
 from qrun.sampling_params import SamplingParams
@@ -113,21 +113,20 @@ class LLMEngine:
         self.cpu_threads = CpuThreads() if self.loaded.device.type == "cpu" else None
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks, config.block_size,
                  num_blocks * config.block_size,
-                 num_blocks * KVCache.bytes_per_block(model_config, config.block_size, self.loaded.dtype) / 2**20)
+                 num_blocks * config.block_size * kv_bytes_per_token(model_config, self.loaded.dtype) / 2**20)
 
     def _num_blocks(self) -> int:
         config, device = self.config, self.loaded.device
-        per_block = KVCache.bytes_per_block(self.loaded.config, config.block_size, self.loaded.dtype)
         memory = config.kv_cache_memory
         if isinstance(memory, int):
             budget = memory
         else:
             fraction = memory if memory is not None else DEFAULT_KV_FRACTION.get(device.type, 0.1)
             budget = int(available_memory(device) * fraction)
-        # More blocks than every sequence slot at full context could never be used.
-        useful = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        num_blocks = min(budget // per_block, useful)
+        num_blocks = kv_blocks(budget, self.loaded.config, self.loaded.dtype, config.block_size,
+                               config.max_num_seqs, self.max_model_len)
         if num_blocks < 1:
+            per_block = kv_bytes_per_token(self.loaded.config, self.loaded.dtype) * config.block_size
             raise QrunError(
                 f"out of cache memory: {budget} bytes hold no {config.block_size}-token KV block "
                 f"({per_block} bytes); raise kv_cache_memory or lower block_size"

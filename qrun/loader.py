@@ -140,6 +140,11 @@ def _source_parts(source: ModelSource):
             lambda eos: Tokenizer.from_folder(source.path, eos))
 
 
+def read_model_config(model: str | Path) -> dict:
+    """The Hugging Face config dict of `model` (a GGUF's, translated), without reading weights."""
+    return _source_parts(resolve(model))[0]
+
+
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
                  dtype: torch.dtype, device: torch.device) -> None:
     """Assign checkpoint tensors (Hugging Face names) to the parameters of a meta-device model."""

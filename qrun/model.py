@@ -41,11 +41,6 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
-
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ops):
