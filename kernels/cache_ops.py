@@ -26,6 +26,8 @@ def store_kv_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from qrun.kernels.launch import Launch  # noqa: E402
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -53,6 +55,26 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def store_kv_launches(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> list[Launch]:
+    """The launch `store_kv_triton` runs: one program per token."""
+    num_tokens, num_heads, head_dim = k.shape
+    return [Launch(
+        _store_kv_kernel, (num_tokens,),
+        (k, v, k_cache, v_cache, slot_mapping,
+         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_heads),
+             DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1]),
+    )]
+
+
 def store_kv_triton(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -61,18 +83,9 @@ def store_kv_triton(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Same contract as `store_kv_ref`; a negative slot (padding) is skipped."""
-    num_tokens, num_heads, head_dim = k.shape
-    if num_tokens == 0:
+    if k.shape[0] == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    heads_pad = triton.next_power_of_2(num_heads)
-    dim_pad = triton.next_power_of_2(head_dim)
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=heads_pad, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1],
-    )
+    for launch in store_kv_launches(k, v, k_cache, v_cache, slot_mapping):
+        launch.run()

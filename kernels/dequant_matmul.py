@@ -111,7 +111,9 @@ def dequant_matmul_ref(
 #   cast to the activation dtype, fp32 accumulation), autotuned over tile shapes on a GPU.
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton.language as tl
+
+from qrun.kernels.launch import Launch, fits_device, is_interpreted, sm_count  # noqa: E402
 
 _SCALE_LEVELS = tl.constexpr(SCALE_LEVELS)
 _MIN_LEVELS = tl.constexpr(MIN_LEVELS)
@@ -234,11 +236,28 @@ def _mm_configs():
     return configs
 
 
-def _prune_mm_configs(configs, named_args, **kwargs):
-    m = named_args["M"]
-    # Tiles much taller than M only waste tensor-core work; keep at least one config.
+def configs_for_rows(configs: list, m: int) -> list:
+    """The tiles worth trying at M rows: ones much taller than M only waste tensor-core work
+    (at least one is kept)."""
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, triton.next_power_of_2(m))]
     return kept or configs[:1]
+
+
+def config_launch(config, named_args: dict, constexprs: dict) -> Launch:
+    """The launch of `_dq_mm_kernel` with one autotuner config (the grid does not matter here)."""
+    return Launch(_dq_mm_kernel, (1,), tuple(named_args.values()), {**constexprs, **config.kwargs},
+                  dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def _prune_mm_configs(configs, named_args, **constexprs):
+    kept = configs_for_rows(configs, named_args["M"])
+    device = named_args["x_ptr"].device
+    if device.type != "cuda":
+        return kept
+    # Tiles that spill or overflow shared memory on this GPU (Turing, for the larger ones) are
+    # not timed at all; the smallest stays if none fits.
+    fitting = [c for c in kept if fits_device(config_launch(c, named_args, constexprs), device)]
+    return fitting or kept[:1]
 
 
 _dq_mm_tuned = triton.autotune(
@@ -248,22 +267,77 @@ _dq_mm_tuned = triton.autotune(
 )(_dq_mm_kernel)
 
 GEMV_MAX_M = 4
-_SM_COUNTS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: small, so split-K still gets exercised
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+def gemv_split_k(n: int, num_groups: int, sms: int) -> int:
+    """Groups are cut into this many ranges so that about two programs run per SM (a count
+    that leaves no range empty)."""
+    want = triton.cdiv(2 * sms, triton.cdiv(n, GEMV_BLOCK_N))
+    groups_per_split = triton.cdiv(num_groups, max(1, min(want, num_groups)))
+    return triton.cdiv(num_groups, groups_per_split)
 
 
-def _gemv_split_k(n_blocks: int, num_groups: int, device: torch.device) -> int:
-    """Groups are cut into this many ranges so that about two programs run per SM."""
-    want = triton.cdiv(2 * _sm_count(device), n_blocks)
-    return max(1, min(want, num_groups))
+GEMV_BLOCK_N = 64
+
+
+def dequant_matmul_launches(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qgroups: torch.Tensor,
+    scales: torch.Tensor,
+    scale_max: torch.Tensor,
+    mins: torch.Tensor | None,
+    min_absmax: torch.Tensor | None,
+    perm: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    *,
+    sms: int,
+    every_config: bool = False,
+) -> list[Launch]:
+    """The launch `dequant_matmul_triton` runs for x [M, K], writing `out`: the fp32 split-K
+    partials [splits, M, N] at M <= GEMV_MAX_M, y [M, N] above (allocated here when None, as the
+    ahead-of-time check does on meta tensors). Above GEMV_MAX_M the autotuner picks a tile;
+    `every_config` lists one launch per tile it may time instead (before dropping the tiles
+    that do not fit the device)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    num_groups = qgroups.shape[0]
+    interpreted = is_interpreted(_dq_mm_kernel)
+    mins_arg = mins if mins is not None else scales
+    min_absmax_arg = min_absmax if mins is not None else scale_max
+    has_mins = dict(GROUP_SIZE=group_size, HAS_MINS=mins is not None)
+    if m <= GEMV_MAX_M:
+        part = out if out is not None else torch.empty(gemv_split_k(n, num_groups, sms), m, n, dtype=torch.float32,
+                                                       device=x.device)
+        split_k = part.shape[0]
+        block_n = GEMV_BLOCK_N if not interpreted else 32
+        return [Launch(
+            _dq_gemv_kernel, (triton.cdiv(n, block_n), split_k),
+            (x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm, part,
+             m, n, num_groups, triton.cdiv(num_groups, split_k),
+             x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1)),
+            dict(**has_mins, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n),
+        )]
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    args = (x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm,
+            bias if bias is not None else scale_max, y,
+            m, n, num_groups, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+            min(triton.next_power_of_2(m), 4096))
+    constexprs = dict(**has_mins, HAS_BIAS=bias is not None)
+    if interpreted:
+        return [Launch(_dq_mm_kernel, (triton.cdiv(m, 16), triton.cdiv(n, 32)), args,
+                       dict(**constexprs, DOT_F32=True, BLOCK_M=16, BLOCK_N=32))]
+    constexprs["DOT_F32"] = x.dtype == torch.float32
+    if every_config:
+        return [Launch(_dq_mm_kernel, (triton.cdiv(m, c.kwargs["BLOCK_M"]), triton.cdiv(n, c.kwargs["BLOCK_N"])),
+                       args, {**constexprs, **c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages))
+                for c in configs_for_rows(_dq_mm_tuned.configs, m)]
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+    return [Launch(_dq_mm_tuned, grid, args, constexprs)]
 
 
 def dequant_matmul_triton(
@@ -282,47 +356,24 @@ def dequant_matmul_triton(
     assert x.dim() == 2 and group_size % 32 == 0
     m, k = x.shape
     n = qweight.shape[1]
-    num_groups = qgroups.shape[0]
-    assert num_groups * group_size == k, "perm / group layout does not cover x's columns"
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    qweight, qgroups, scales, scale_max = (t.contiguous() for t in (qweight, qgroups, scales, scale_max))
-    mins_arg = mins.contiguous() if mins is not None else scales
-    min_absmax_arg = min_absmax.contiguous() if mins is not None else scale_max
-    perm = perm.contiguous()
-    interpreted = type(_dq_mm_kernel).__name__ == "InterpretedFunction"
+    assert qgroups.shape[0] * group_size == k, "perm / group layout does not cover x's columns"
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
-
-    if m <= GEMV_MAX_M:
-        block_n = 64 if not interpreted else 32
-        n_blocks = triton.cdiv(n, block_n)
-        split_k = _gemv_split_k(n_blocks, num_groups, x.device)
-        groups_per_split = triton.cdiv(num_groups, split_k)
-        split_k = triton.cdiv(num_groups, groups_per_split)
-        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        _dq_gemv_kernel[(n_blocks, split_k)](
-            x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm, part,
-            m, n, num_groups, groups_per_split,
-            x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1),
-            GROUP_SIZE=group_size, HAS_MINS=mins is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n,
-        )
-        y = part[0] if split_k == 1 else part.sum(0)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
-
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    common = dict(GROUP_SIZE=group_size, HAS_MINS=mins is not None, HAS_BIAS=bias is not None)
-    args = (x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm,
-            bias if bias is not None else scale_max, y,
-            m, n, num_groups, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-            min(triton.next_power_of_2(m), 4096))
-    if interpreted:
-        grid = (triton.cdiv(m, 16), triton.cdiv(n, 32))
-        _dq_mm_kernel[grid](*args, **common, DOT_F32=True, BLOCK_M=16, BLOCK_N=32)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    qweight, qgroups, scales, scale_max, perm = (t.contiguous() for t in (qweight, qgroups, scales, scale_max, perm))
+    mins, min_absmax = (None if t is None else t.contiguous() for t in (mins, min_absmax))
+    sms = sm_count(x.device)
+    if m > GEMV_MAX_M:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
-        _dq_mm_tuned[grid](*args, **common, DOT_F32=x.dtype == torch.float32)
-    return y
+        out = torch.empty(gemv_split_k(n, qgroups.shape[0], sms), m, n, dtype=torch.float32, device=x.device)
+    for launch in dequant_matmul_launches(x, qweight, qgroups, scales, scale_max, mins, min_absmax, perm, group_size,
+                                          bias, out, sms=sms):
+        launch.run()
+    if m > GEMV_MAX_M:
+        return out
+    y = out[0] if out.shape[0] == 1 else out.sum(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

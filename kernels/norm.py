@@ -34,6 +34,8 @@ def rms_norm_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from qrun.kernels.launch import Launch, gpu_options  # noqa: E402
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -58,6 +60,32 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_launches(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
+) -> list[Launch]:
+    """The launch `rms_norm_triton` runs: one program per row of x [rows, hidden] (contiguous
+    rows), writing `out` and, with a residual, `new_residual` (allocated when None)."""
+    rows, hidden = x.shape
+    if residual is None:
+        r2 = sum2 = x  # not read / written; sum2 only carries x's dtype into the kernel
+    else:
+        r2 = residual
+        sum2 = new_residual if new_residual is not None else torch.empty(
+            x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum2.dtype), device=x.device)
+    block = triton.next_power_of_2(hidden)
+    return [Launch(_rms_norm_kernel, (rows,),
+                   (x, r2, weight, out, sum2, x.stride(0), r2.stride(0), out.stride(0), sum2.stride(0), hidden, eps),
+                   dict(HAS_RESIDUAL=residual is not None, BLOCK=block),
+                   gpu_options(_rms_norm_kernel, num_warps=min(16, max(1, block // 256))))]
+
+
 def rms_norm_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -69,29 +97,15 @@ def rms_norm_triton(
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows = x2.shape[0]
+    new_residual, r2 = x, None
     if residual is not None:
         assert residual.shape == x.shape
         r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-        new_residual = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
-        sum2 = new_residual.view(-1, hidden)
-    else:
-        r2 = sum2 = x2  # not read / written; sum2 only carries x's dtype into the kernel
-        new_residual = x
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum2.dtype), device=x.device)
-    if rows == 0:
-        return out, new_residual
-    out2 = out.view(-1, hidden)
-    block = triton.next_power_of_2(hidden)
-    gpu_kwargs = {} if type(_rms_norm_kernel).__name__ == "InterpretedFunction" else {
-        "num_warps": min(16, max(1, block // 256))}
-    _rms_norm_kernel[(rows,)](
-        x2, r2, weight, out2, sum2,
-        x2.stride(0), r2.stride(0), out2.stride(0), sum2.stride(0),
-        hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, **gpu_kwargs,
-    )
+        new_residual = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, new_residual.dtype), device=x.device)
+    if x2.shape[0]:
+        for launch in rms_norm_launches(x2, weight, eps, r2, out.view(-1, hidden), new_residual.view(-1, hidden)):
+            launch.run()
     return out, new_residual

@@ -14,6 +14,7 @@ Layout shared by every implementation:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -171,6 +172,8 @@ def paged_attention_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from qrun.kernels.launch import Launch, fits_device, gpu_options, is_interpreted, sm_count  # noqa: E402
+
 _LOG2E = 1.4426950408889634
 
 
@@ -203,7 +206,7 @@ def _paged_attn_kernel(
     stride_pmt, stride_pmh, stride_pms,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, QPK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -270,7 +273,7 @@ def _paged_attn_kernel(
         m_i = m_new
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_K:
         out = acc / l_i[:, None]
         o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -309,40 +312,135 @@ def _merge_splits_kernel(
              mask=dims < HEAD_DIM)
 
 
-_SM_COUNTS: dict[int, int] = {}
-# Tests set this to force a split count (None: the heuristic decides).
-_FORCE_SPLITS: int | None = None
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: any small number keeps the heuristic exercised
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
-def _num_kv_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
-    """How many KV chunks each program's work is split into (1: no split-K).
+def num_kv_splits(programs: int, max_seq_len: int, block_n: int, sms: int) -> int:
+    """How many KV chunks each program's work is split into (1: no split-K), on `sms` SMs.
 
     Split only when the un-split grid fills less than one wave of the GPU, and keep each split
     at least 4 tiles long so writing and merging its fp32 partial stays small next to the K/V
-    it reads. A power of two, so few variants get compiled.
+    it reads. A power of two up to MAX_KV_SPLITS, so few variants get compiled.
     """
-    if _FORCE_SPLITS is not None:
-        return _FORCE_SPLITS
-    sms = _sm_count(device)
     if programs >= sms:
         return 1
     want = triton.cdiv(2 * sms, programs)
     most = triton.cdiv(max_seq_len, block_n) // 4
-    splits = min(want, most, 64)
+    splits = min(want, most, MAX_KV_SPLITS)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
 
 
-def _is_interpreted(kernel) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
+MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """How the attention kernel tiles its work: query rows and keys per program."""
+
+    block_q: int  # tokens of one sequence per program
+    block_m: int  # rows per program: block_q tokens x the QPK heads sharing a KV head, padded
+    block_n: int  # keys per inner step
+
+
+def attention_tile_candidates(head_dim: int, qpk: int, max_query_len: int) -> list[AttentionTiles]:
+    """Tile choices, fastest first: the launcher runs the first that fits the device.
+
+    Prefill wants 64 rows per program (32 above head_dim 128) and decode 16; keys come 64 at a
+    time (32 above head_dim 128). Turing's register file does not hold those tiles without
+    spilling (`docs/KERNELS.md`), so the rows, then the keys, halve down to 16 x 16.
+    """
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    target_rows = 16 if max_query_len <= 1 else (64 if head_dim_pad <= 128 else 32)
+    block_n = 64 if head_dim_pad <= 128 else 32
+    candidates = []
+    while True:
+        block_m = max(target_rows, triton.next_power_of_2(qpk))
+        block_q = max(1, min(block_m // qpk, max_query_len))
+        tiles = AttentionTiles(block_q, max(16, triton.next_power_of_2(block_q * qpk)), block_n)
+        if tiles not in candidates:
+            candidates.append(tiles)
+        if target_rows > 16:
+            target_rows //= 2
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            return candidates
+
+
+def paged_attention_launches(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    sms: int,
+    fits: Callable[[Launch], bool] | None = None,
+    tiles: AttentionTiles | None = None,
+    num_splits: int | None = None,
+) -> list[Launch]:
+    """The launches `paged_attention_triton` runs (attention, then the split merge if any), for
+    a device with `sms` SMs, with the first candidate tiles whose launches all satisfy `fits`
+    (the last candidate when none does; the first when `fits` is None). `tiles` and
+    `num_splits` override the choices. Works on meta tensors (nothing is read)."""
+    if tiles is None:
+        candidates = attention_tile_candidates(q.shape[2], q.shape[1] // k_cache.shape[2], max_query_len)
+        for tiles in candidates:
+            launches = paged_attention_launches(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
+                out, sms=sms, fits=fits, tiles=tiles, num_splits=num_splits)
+            if fits is None or all(fits(launch) for launch in launches):
+                return launches
+        return launches
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    qpk = num_q_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    slots = num_tokens // tiles.block_q + num_seqs
+    splits = num_splits or num_kv_splits(slots * num_kv_heads, max_seq_len, tiles.block_n, sms)
+    tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), tiles.block_n), splits)
+    interpreted = is_interpreted(_paged_attn_kernel)
+    dot_f32 = interpreted and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+
+    if splits > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_q_heads, splits, 2, dtype=torch.float32, device=q.device)
+        pa_strides = part_acc.stride()[:3]
+        pm_strides = part_ml.stride()[:3]
+    else:
+        part_acc = part_ml = out  # unused
+        pa_strides = pm_strides = (0, 0, 0)
+
+    launches = [Launch(
+        _paged_attn_kernel, (slots, num_kv_heads, splits),
+        (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+         out, part_acc, part_ml,
+         num_seqs, scale * _LOG2E, tiles_per_split,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_tables.stride(0),
+         out.stride(0), out.stride(1),
+         *pa_strides, *pm_strides),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, QPK=qpk,
+             BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
+             BLOCK_N=tiles.block_n, SPLIT_K=splits > 1, DOT_F32=dot_f32,
+             # fp32 caches get exact fp32 products, not TF32 (which would cost ~3 digits).
+             PRECISION="ieee" if q.dtype == torch.float32 else "tf32"),
+        gpu_options(_paged_attn_kernel, num_warps=4, num_stages=2),
+    )]
+    if splits > 1:
+        splits_pad = triton.next_power_of_2(splits)
+        launches.append(Launch(
+            _merge_splits_kernel, (num_tokens, num_q_heads),
+            (part_acc, part_ml, out, *pa_strides, *pm_strides, out.stride(0), out.stride(1)),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=splits, SPLITS_PAD=splits_pad),
+            gpu_options(_merge_splits_kernel, num_warps=4),
+        ))
+    return launches
 
 
 def paged_attention_triton(
@@ -362,61 +460,13 @@ def paged_attention_triton(
         out = torch.empty_like(q)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
     assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
-    qpk = num_q_heads // num_kv_heads
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-
-    # Rows per program: BLOCK_Q tokens x QPK heads, padded to a power of two >= 16.
-    target_rows = 16 if max_query_len <= 1 else (64 if head_dim_pad <= 128 else 32)
-    block_m = max(target_rows, triton.next_power_of_2(qpk))
-    block_q = max(1, min(block_m // qpk, max_query_len))
-    block_m = max(16, triton.next_power_of_2(block_q * qpk))
-    block_n = 64 if head_dim_pad <= 128 else 32
-
-    slots = num_tokens // block_q + num_seqs
-    splits = _num_kv_splits(slots * num_kv_heads, max_seq_len, block_n, q.device)
-    tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), splits)
-    interpreted = _is_interpreted(_paged_attn_kernel)
-    dot_f32 = interpreted and q.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-
-    if splits > 1:
-        part_acc = torch.empty(num_tokens, num_q_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_tokens, num_q_heads, splits, 2, dtype=torch.float32, device=q.device)
-        pa_strides = part_acc.stride()[:3]
-        pm_strides = part_ml.stride()[:3]
-    else:
-        part_acc = part_ml = out  # unused
-        pa_strides = pm_strides = (0, 0, 0)
-
-    gpu_kwargs = {} if interpreted else {"num_warps": 4, "num_stages": 2}
-    _paged_attn_kernel[(slots, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, part_acc, part_ml,
-        num_seqs, scale * _LOG2E, tiles_per_split,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        *pa_strides, *pm_strides,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, QPK=qpk,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=dot_f32,
-        # fp32 caches get exact fp32 products, not TF32 (which would cost ~3 digits).
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **gpu_kwargs,
-    )
-    if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            part_acc, part_ml, out,
-            *pa_strides, *pm_strides,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        )
+    for launch in paged_attention_launches(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, out,
+            sms=sm_count(q.device), fits=lambda launch: fits_device(launch, q.device)):
+        launch.run()
     return out

@@ -38,6 +38,8 @@ def apply_rotary_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from qrun.kernels.launch import Launch  # noqa: E402
+
 
 @triton.jit
 def _rotate_heads(src_ptr, dst_ptr, token, stride_s, stride_sh, stride_d, stride_dh, cos, sin,
@@ -76,25 +78,38 @@ def _rotary_kernel(
                   NUM_K_HEADS, K_HEADS_PAD, HALF, HALF_PAD)
 
 
+def apply_rotary_launches(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+) -> list[Launch]:
+    """The launch `apply_rotary_triton` runs: one program per token, writing q_out and k_out
+    (allocated like q and k when None)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    q_out = q_out if q_out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k_out if k_out is not None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    half = head_dim // 2
+    return [Launch(
+        _rotary_kernel, (num_tokens,),
+        (q, k, q_out, k_out, positions, cos_sin,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0)),
+        dict(NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
+             Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
+             HALF=half, HALF_PAD=triton.next_power_of_2(half)),
+    )]
+
+
 def apply_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `apply_rotary_ref`: new rotated (q, k), inputs untouched."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
+    head_dim = q.shape[-1]
     assert head_dim % 2 == 0 and cos_sin.shape[-1] == head_dim, "rotary spans the whole head"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if num_tokens == 0:
-        return q_out, k_out
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        q, k, q_out, k_out, positions, cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half),
-    )
+    if q.shape[0]:
+        for launch in apply_rotary_launches(q, k, positions, cos_sin, q_out, k_out):
+            launch.run()
     return q_out, k_out

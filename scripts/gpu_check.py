@@ -136,6 +136,7 @@ def bench_attention_prefill(ctx: Ctx) -> list[Row]:
 
 def bench_attention_decode(ctx: Ctx) -> list[Row]:
     import qrun.kernels.paged_attention as pa
+    from qrun.kernels.launch import fits_device, sm_count
 
     rows = []
     cases = [(64, 2048, 8, 4, 128, "64 seqs x 2k"), (64, 2048, 3, 3, 64, "64 seqs x 2k"),
@@ -150,11 +151,9 @@ def bench_attention_decode(ctx: Ctx) -> list[Row]:
         ref_ms = bench(lambda: pa.paged_attention_ref(*pa_args, out=out))
         note = ""
         if "split" in label:
-            pa._FORCE_SPLITS = 1
-            try:
-                note = f"no split-K: {bench(lambda: pa.paged_attention_triton(*pa_args, out=out)) * 1e3:.0f} us"
-            finally:
-                pa._FORCE_SPLITS = None
+            unsplit = pa.paged_attention_launches(*pa_args, out, sms=sm_count(ctx.device),
+                                                  fits=lambda launch: fits_device(launch, ctx.device), num_splits=1)
+            note = f"no split-K: {bench(lambda: [launch.run() for launch in unsplit]) * 1e3:.0f} us"
         rows.append(Row("attention decode", f"{label} Hq{hkv * qpk}/Hkv{hkv} D{d}", ms, bytes=kv_bytes,
                         baseline_name="torch ref", baseline_ms=ref_ms, max_err=err, note=note))
     return rows

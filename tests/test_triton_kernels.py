@@ -62,6 +62,7 @@ import qrun.kernels.cache_ops as cache_ops  # noqa: E402
 import qrun.kernels.dequant_matmul as dm  # noqa: E402
 import qrun.kernels.norm as norm  # noqa: E402
 import qrun.kernels.paged_attention as pa  # noqa: E402
+from qrun.kernels.launch import sm_count  # noqa: E402
 import qrun.kernels.rotary as rotary  # noqa: E402
 
 
@@ -208,7 +209,7 @@ def test_attention_allocates_out_when_none():
 def test_attention_split_k_forced(monkeypatch, splits, qpk):
     # Split-K on everything, including prefill chunks (causal rows with empty splits) and
     # contexts shorter than one split (splits with no tiles at all).
-    monkeypatch.setattr(pa, "_FORCE_SPLITS", splits)
+    monkeypatch.setattr(pa, "num_kv_splits", lambda *heuristic_inputs: splits)
     specs = [(299, 1), (0, 1), (60, 20), (BS, 1), (200, 3)]
     _check_attention(specs, num_kv_heads=1, qpk=qpk, head_dim=64, block_size=BS, dtype=torch.float16,
                      seed=50 + splits + qpk)
@@ -216,11 +217,11 @@ def test_attention_split_k_forced(monkeypatch, splits, qpk):
 
 def test_attention_split_k_heuristic():
     # One long decode with few heads: the heuristic must choose split-K by itself.
-    device = torch.device("cpu") if not ON_GPU else DEVICE
+    sms = sm_count(torch.device("cpu") if not ON_GPU else DEVICE)
     programs = (1 // 1 + 1) * 1
-    assert pa._num_kv_splits(programs, 700, 64, device) > 1
-    assert pa._num_kv_splits(10_000, 700, 64, device) == 1  # a full GPU never splits
-    assert pa._num_kv_splits(programs, 64, 64, device) == 1  # nor does a short context
+    assert pa.num_kv_splits(programs, 700, 64, sms) > 1
+    assert pa.num_kv_splits(10_000, 700, 64, sms) == 1  # a full GPU never splits
+    assert pa.num_kv_splits(programs, 64, 64, sms) == 1  # nor does a short context
     _check_attention([(699, 1)], num_kv_heads=1, qpk=3, head_dim=64, block_size=32, dtype=torch.bfloat16, seed=60)
 
 
