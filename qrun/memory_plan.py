@@ -7,6 +7,7 @@ model's config alone (no weights are read).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,27 +28,36 @@ CUDA_RESERVE = 768 * 2**20
 @dataclass(frozen=True)
 class Card:
     name: str
+    model: str  # as CUDA device names spell it ("NVIDIA GeForce RTX 4090")
     memory: int  # bytes
     bandwidth: float  # bytes / s, the vendor's peak memory bandwidth
 
 
 CARDS = {card.name: card for card in [
-    Card("t4", 16 * GIB, 320e9),
-    Card("rtx3060", 12 * GIB, 360e9),
-    Card("rtx3080", 10 * GIB, 760e9),
-    Card("rtx3090", 24 * GIB, 936e9),
-    Card("rtx4060ti", 16 * GIB, 288e9),
-    Card("rtx4070", 12 * GIB, 504e9),
-    Card("rtx4080", 16 * GIB, 717e9),
-    Card("rtx4090", 24 * GIB, 1008e9),
-    Card("rtx5090", 32 * GIB, 1792e9),
-    Card("a10", 24 * GIB, 600e9),
-    Card("l4", 24 * GIB, 300e9),
-    Card("a100-40gb", 40 * GIB, 1555e9),
-    Card("a100-80gb", 80 * GIB, 2039e9),
-    Card("h100", 80 * GIB, 3350e9),
-    Card("h200", 141 * GIB, 4800e9),
+    Card("t4", "T4", 16 * GIB, 320e9),
+    Card("rtx3060", "RTX 3060", 12 * GIB, 360e9),
+    Card("rtx3080", "RTX 3080", 10 * GIB, 760e9),
+    Card("rtx3090", "RTX 3090", 24 * GIB, 936e9),
+    Card("rtx4060ti", "RTX 4060 Ti", 16 * GIB, 288e9),
+    Card("rtx4070", "RTX 4070", 12 * GIB, 504e9),
+    Card("rtx4080", "RTX 4080", 16 * GIB, 717e9),
+    Card("rtx4090", "RTX 4090", 24 * GIB, 1008e9),
+    Card("rtx5090", "RTX 5090", 32 * GIB, 1792e9),
+    Card("a10", "A10", 24 * GIB, 600e9),
+    Card("l4", "L4", 24 * GIB, 300e9),
+    Card("a100-40gb", "A100", 40 * GIB, 1555e9),
+    Card("a100-80gb", "A100", 80 * GIB, 2039e9),
+    Card("h100", "H100", 80 * GIB, 3350e9),
+    Card("h200", "H200", 141 * GIB, 4800e9),
 ]}
+
+
+def card_named(device_name: str, memory: int) -> Card | None:
+    """The known card a CUDA device ("NVIDIA A100-SXM4-80GB", with `memory` bytes) is, if any:
+    of the cards whose model its name spells out as whole words, the one closest in memory."""
+    matches = [card for card in CARDS.values()
+               if re.search(rf"\b{re.escape(card.model)}\b(?! Ti)", device_name, re.IGNORECASE)]
+    return min(matches, key=lambda card: abs(card.memory - memory), default=None)
 
 
 def kv_bytes_per_token(config: ModelConfig, cache_dtype: torch.dtype) -> int:

@@ -49,6 +49,7 @@ class Ctx:
     device: torch.device
     copy_bw: float  # bytes / s
     bf16_flops: float  # FLOP / s
+    card_bw: float | None  # bytes / s, the card's specified peak (qrun.memory_plan.CARDS), if known
 
 
 def bench(fn) -> float:
@@ -83,7 +84,11 @@ def measure_floors(device: torch.device) -> Ctx:
     flops = 2 * 8192 ** 3 / (ms * 1e-3)
     del a, b
     torch.cuda.empty_cache()
-    return Ctx(device, copy_bw, flops)
+    from qrun.memory_plan import card_named
+
+    props = torch.cuda.get_device_properties(device)
+    card = card_named(props.name, props.total_memory)
+    return Ctx(device, copy_bw, flops, card.bandwidth if card else None)
 
 
 # ------------------------------------------------------------------------------------ benches
@@ -262,8 +267,10 @@ BENCHES = [
 
 
 def print_table(ctx: Ctx, rows: list[Row]) -> None:
-    print(f"\ncopy bandwidth {ctx.copy_bw / 1e9:.0f} GB/s, bf16 matmul {ctx.bf16_flops / 1e12:.0f} TFLOP/s")
-    header = ("kernel", "shape", "time us", "floor us", "% floor", "bound", "baseline us", "max rel err", "note")
+    spec = f", specified {ctx.card_bw / 1e9:.0f} GB/s" if ctx.card_bw else " (card not in qrun.memory_plan.CARDS)"
+    print(f"\ncopy bandwidth {ctx.copy_bw / 1e9:.0f} GB/s{spec}, bf16 matmul {ctx.bf16_flops / 1e12:.0f} TFLOP/s")
+    header = ("kernel", "shape", "time us", "floor us", "% floor", "bound", "% card BW", "baseline us", "max rel err",
+              "note")
     lines = []
     for r in rows:
         t_bytes = r.bytes / ctx.copy_bw
@@ -272,8 +279,9 @@ def print_table(ctx: Ctx, rows: list[Row]) -> None:
         bound = "mem" if t_bytes >= t_flops else "flops"
         base = f"{r.baseline_ms * 1e3:.1f} ({r.baseline_name})" if r.baseline_ms is not None else "-"
         err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
+        card = f"{100 * r.bytes / (r.ms * 1e-3) / ctx.card_bw:.0f}%" if ctx.card_bw and r.bytes else "-"
         lines.append((r.name, r.shape, f"{r.ms * 1e3:.1f}", f"{floor * 1e6:.1f}",
-                      f"{100 * floor / (r.ms * 1e-3):.0f}%", bound, base, err, r.note))
+                      f"{100 * floor / (r.ms * 1e-3):.0f}%", bound, card, base, err, r.note))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     print(fmt.format(*header))

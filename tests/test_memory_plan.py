@@ -11,7 +11,7 @@ from qrun.cli import main
 from qrun.config import ModelConfig
 from qrun.llm import LLM
 from qrun.loader import load_model, read_model_config
-from qrun.memory_plan import CARDS, kv_bytes_per_token, plan, weight_bytes
+from qrun.memory_plan import CARDS, card_named, kv_bytes_per_token, plan, weight_bytes
 
 LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -79,3 +79,13 @@ def test_info_plan_rejects_unknown_cards_and_bits_without_a_card(tmp_path, capsy
     assert "rtx4090" in capsys.readouterr().err  # the known cards are listed
     assert main(["info", str(folder), "--bits", "4.0"]) == 2
     assert "--gpu-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device_name, memory_gib, card", [
+    ("NVIDIA GeForce RTX 4090", 24, "rtx4090"), ("NVIDIA A100-SXM4-80GB", 80, "a100-80gb"),
+    ("NVIDIA A100-PCIE-40GB", 40, "a100-40gb"), ("Tesla T4", 15, "t4"), ("NVIDIA GeForce RTX 4060 Ti", 16, "rtx4060ti"),
+    ("NVIDIA A10", 24, "a10"), ("NVIDIA L40S", 48, None), ("NVIDIA GeForce RTX 4070 Ti", 12, None),
+])
+def test_cuda_device_names_map_to_known_cards_by_whole_model_name(device_name, memory_gib, card):
+    found = card_named(device_name, memory_gib * 2**30)
+    assert (found.name if found else None) == card
