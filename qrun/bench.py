@@ -459,7 +459,7 @@ def format_table(results: Sequence[dict], baseline: str = "qrun") -> str:
 # -- `qrun bench` -----------------------------------------------------------------------------
 
 def add_bench_arguments(parser) -> None:
-    from qrun.cli import add_engine_arguments
+    from qrun.options import add_engine_arguments
 
     parser.add_argument("model", help="model folder, .gguf, alias or hub id")
     parser.add_argument("--workload", required=True, metavar="FILE.jsonl",
@@ -475,7 +475,7 @@ def add_bench_arguments(parser) -> None:
 
 
 def run_bench(args) -> None:
-    from qrun.cli import engine_args_from
+    from qrun.options import engine_args_from
     from qrun.llm import LLM
 
     requests = load_workload(args.workload, args.num_requests, args.max_tokens_cap)

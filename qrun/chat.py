@@ -20,6 +20,7 @@ from rich.markdown import Markdown
 from qrun.errors import QrunError
 from qrun.llm import LLM
 from qrun.sampling_params import SamplingParams
+from qrun.tokenizer import chat_messages
 from qrun.sequence import RequestOutput
 
 HELP = """\
@@ -46,7 +47,7 @@ def stats_line(output: RequestOutput, elapsed: float) -> str:
 
 def parse_settings(params: SamplingParams, assignments: list[str]) -> SamplingParams:
     """Apply `key=value` pairs to `params`; values are JSON (numbers, true, "text") or bare text."""
-    from qrun.cli import SAMPLING_FIELDS
+    from qrun.options import SAMPLING_FIELDS
 
     changes: dict[str, Any] = {}
     for item in assignments:
@@ -78,14 +79,11 @@ class ChatSession:
     @property
     def context_limit(self) -> int:
         """Most tokens one request may span: the model's context, or the whole KV cache if smaller."""
-        engine = self.llm.engine
-        return min(engine.max_model_len, engine.block_manager.num_blocks * engine.config.block_size)
+        return self.llm.engine.request_token_limit
 
     def prompt_ids(self) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        text = self.llm.tokenizer.apply_chat_template(system + self.messages, template=self.template)
-        # The template writes any BOS itself, as Hugging Face's apply_chat_template(tokenize=True) assumes.
-        return self.llm.tokenizer.encode(text, add_special_tokens=False)
+        return self.llm.tokenizer.encode_chat(system + self.messages, template=self.template)
 
     def fit(self) -> tuple[list[int], int]:
         """Prompt ids for the conversation, dropping the oldest turns until it fits with room to
@@ -116,13 +114,12 @@ class ChatSession:
         if isinstance(data, list):
             data = {"messages": data}
         messages = data.get("messages") if isinstance(data, dict) else None
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+        if not isinstance(messages, list):
             raise ValueError("expected {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
+        checked = chat_messages(messages) if messages else []  # a saved conversation may be empty
         params = dataclasses.replace(self.params, **data.get("sampling") or {})
         self.system = data.get("system", self.system)
-        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in checked]
         self.params = params
 
 
@@ -222,7 +219,7 @@ class ChatApp:
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    from qrun.cli import engine_args_from, load_llm, sampling_params_from
+    from qrun.options import engine_args_from, load_llm, sampling_params_from
 
     template = None
     if args.chat_template:

@@ -9,103 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qrun.errors import QrunError
+from qrun.options import (SAMPLING_FIELDS, add_engine_arguments, add_sampling_arguments, engine_args_from, load_llm,
+                          parse_memory, sampling_params_from)
 from qrun.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from qrun.llm import LLM
 
-# Decimal and binary size suffixes accepted by --kv-cache-memory (case-insensitive).
-_MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-                 "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-# The SamplingParams fields a command line (or a JSONL batch line) may set.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "stop", "seed", "ignore_eos")
-ENGINE_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                 "enable_prefix_caching", "max_model_len")
-
-
-def parse_memory(text: str) -> int | float:
-    """'2GiB' / '500MB' / '1073741824' -> bytes (int); '0.2' -> a fraction of free memory (float)."""
-    match = _MEMORY_RE.match(text)
-    if not match or match.group(2).lower() not in _MEMORY_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a memory size: give bytes with a unit (2GiB, 500MB) or a fraction like 0.2")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if not unit and number <= 1:
-        if number <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: a fraction must be in (0, 1]")
-        return number
-    return int(number * _MEMORY_UNITS[unit])
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags; unset flags stay None so SamplingParams (or a JSONL line) decides."""
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, help="most tokens to generate per request")
-    group.add_argument("--temperature", type=float, help="0 is greedy (default 1.0)")
-    group.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    group.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (-1: all)")
-    group.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability")
-    group.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeating tokens")
-    group.add_argument("--presence-penalty", type=float, help="in [-2, 2]")
-    group.add_argument("--frequency-penalty", type=float, help="in [-2, 2]")
-    group.add_argument("--stop", action="append", metavar="TEXT", help="stop at this text (repeatable)")
-    group.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    group.add_argument("--ignore-eos", action="store_true", default=None,
-                       help="keep generating past the end-of-sequence token")
-
-
-def sampling_fields_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampling flags the user actually set, as SamplingParams keyword arguments."""
-    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
-
-
-def sampling_params_from(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
-    """SamplingParams from the flags; `overrides` (e.g. a JSONL line's fields) win over flags."""
-    return SamplingParams(**{**sampling_fields_from(args), **overrides})
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine flags; unset flags stay None so EngineConfig's defaults apply."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32)")
-    group.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
-    group.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
-    group.add_argument("--max-num-batched-tokens", type=int, help="token budget of one forward pass")
-    group.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")
-    group.add_argument("--kv-cache-memory", type=parse_memory, metavar="SIZE",
-                       help="KV cache budget: bytes (2GiB, 500MB) or a fraction of free memory (0.2)")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                       help="do not reuse the KV blocks of shared prompt prefixes")
-    group.add_argument("--max-model-len", type=int, help="cap the context length (tokens)")
-
-
-def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags the user set, as EngineConfig keyword arguments (model excluded)."""
-    return {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name, None) is not None}
-
 
 # -- shared by the commands --------------------------------------------------------------------
-def load_llm(model: str, engine_args: dict[str, Any]) -> "LLM":
-    """Load with a spinner on stderr, since the first use of a model may download it."""
-    from rich.console import Console
-
-    from qrun.llm import LLM
-
-    with Console(stderr=True).status(f"loading {model}"):
-        return LLM(model, **engine_args)
-
-
-def chat_prompt_ids(llm: "LLM", messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` rendered by the model's chat template, ready for a reply."""
-    text = llm.tokenizer.apply_chat_template(messages)
-    # The template writes any BOS itself, as Hugging Face's apply_chat_template(tokenize=True) assumes.
-    return llm.tokenizer.encode(text, add_special_tokens=False)
-
-
 def _model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder, .gguf file, alias (smollm2-135m) or hub id (owner/name)")
 
@@ -146,7 +58,7 @@ def _generate_one(llm: "LLM", prompt: str, params: SamplingParams, chat: bool) -
 
     from qrun.chat import stats_line
 
-    ids = chat_prompt_ids(llm, [{"role": "user", "content": prompt}]) if chat else prompt
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
     start, shown, output = time.perf_counter(), 0, None
     for output in llm.stream_outputs(ids, params):
         sys.stdout.write(output.text[shown:])
@@ -158,6 +70,8 @@ def _generate_one(llm: "LLM", prompt: str, params: SamplingParams, chat: bool) -
 
 def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[list[int], SamplingParams]:
     """One --input line -> (prompt ids, params); ValueError says what is wrong with it."""
+    from qrun.tokenizer import chat_messages
+
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
@@ -175,18 +89,15 @@ def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[l
             raise ValueError('"prompt" must be a non-empty string')
         if args.chat:
             messages = [{"role": "user", "content": prompt}]
-    if messages is not None and not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise ValueError('"messages" must be a non-empty list of {"role": str, "content": str}')
+    if messages is not None:
+        messages = chat_messages(messages)
     try:
         params = sampling_params_from(args, **{k: v for k, v in record.items() if k in BATCH_SAMPLING_FIELDS})
     except TypeError as err:  # a string where a number belongs fails SamplingParams' comparisons
         raise ValueError(f"a sampling field has the wrong type ({err})") from None
-    ids = chat_prompt_ids(llm, messages) if messages is not None else llm.tokenizer.encode(prompt)
+    ids = llm.tokenizer.encode_chat(messages) if messages is not None else llm.tokenizer.encode(prompt)
     # Checked here rather than left to the engine, which would reject the whole batch.
-    engine = llm.engine
-    limit = min(engine.max_model_len, engine.block_manager.num_blocks * engine.config.block_size)
+    limit = llm.engine.request_token_limit
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) + params.max_tokens > limit:
@@ -278,7 +189,7 @@ def run_info(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from qrun.llm_engine import DEFAULT_KV_FRACTION, EngineConfig, available_memory
+    from qrun.llm_engine import EngineConfig, cache_budget
     from qrun.loader import load_model
     from qrun.memory_plan import kv_blocks, kv_bytes_per_token
     from qrun.quant import QuantLinear
@@ -306,9 +217,7 @@ def run_info(args: argparse.Namespace) -> None:
             params += p.numel()
             bits += p.numel() * p.element_size() * 8
     max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-    memory = config.kv_cache_memory
-    budget = memory if isinstance(memory, int) else int(
-        available_memory(loaded.device) * (memory or DEFAULT_KV_FRACTION.get(loaded.device.type, 0.1)))
+    budget = cache_budget(config.kv_cache_memory, loaded.device)
     kv_tokens = config.block_size * kv_blocks(budget, mc, loaded.dtype, config.block_size, config.max_num_seqs, max_len)
 
     console = Console(highlight=False)

@@ -68,6 +68,15 @@ def available_memory(device: torch.device) -> int:
     raise QrunError("cannot read available memory from /proc/meminfo; pass kv_cache_memory in bytes")
 
 
+def cache_budget(kv_cache_memory: int | float | None, device: torch.device) -> int:
+    """The KV cache's bytes: `kv_cache_memory` bytes, or that fraction (by default the device's
+    DEFAULT_KV_FRACTION) of the memory free now."""
+    if isinstance(kv_cache_memory, int):
+        return kv_cache_memory
+    fraction = kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_FRACTION.get(device.type, 0.1)
+    return int(available_memory(device) * fraction)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -116,13 +125,8 @@ class LLMEngine:
                  num_blocks * config.block_size * kv_bytes_per_token(model_config, self.loaded.dtype) / 2**20)
 
     def _num_blocks(self) -> int:
-        config, device = self.config, self.loaded.device
-        memory = config.kv_cache_memory
-        if isinstance(memory, int):
-            budget = memory
-        else:
-            fraction = memory if memory is not None else DEFAULT_KV_FRACTION.get(device.type, 0.1)
-            budget = int(available_memory(device) * fraction)
+        config = self.config
+        budget = cache_budget(config.kv_cache_memory, self.loaded.device)
         num_blocks = kv_blocks(budget, self.loaded.config, self.loaded.dtype, config.block_size,
                                config.max_num_seqs, self.max_model_len)
         if num_blocks < 1:
@@ -132,6 +136,12 @@ class LLMEngine:
                 f"({per_block} bytes); raise kv_cache_memory or lower block_size"
             )
         return num_blocks
+
+    @property
+    def request_token_limit(self) -> int:
+        """Most tokens one request may span (prompt + output): the model's context, or the whole
+        KV cache if that is smaller."""
+        return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -24,8 +24,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from qrun.async_llm import AsyncLLM
 from qrun.errors import QrunError, RequestError
+from qrun.options import add_engine_arguments, engine_args_from
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
+from qrun.tokenizer import chat_messages
 
 log = logging.getLogger("qrun.server")
 
@@ -160,29 +162,6 @@ def _prompts(body: dict) -> list[str | list[int]]:
         if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
             return list(prompt)
     raise _bad("prompt", "must be a string, a list of strings, a list of token ids, or a list of those")
-
-
-def _messages(body: dict) -> list[dict[str, str]]:
-    """Chat messages with their content flattened to text (text parts of a list are joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a non-empty list of {role, content} objects")
-    flat = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad(f"messages[{i}]", "must be an object with a string role")
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise _bad(f"messages[{i}].content", "only text parts are supported")
-            content = "".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
-        flat.append({**message, "content": content})
-    return flat
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -691,19 +670,21 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await json_body(request)
-        messages = _messages(body)
         try:
-            prompt = llm.tokenizer.apply_chat_template(messages)
+            prompt_ids = llm.tokenizer.encode_chat(chat_messages(body.get("messages")))
+        except ValueError as err:
+            field, _, problem = str(err).partition(": ")
+            raise _bad(field, problem) from None
         except QrunError as err:
             raise _bad("messages", str(err)) from None
         top_logprobs = _integer(body, "top_logprobs", 0, 0, 20)
         logprobs = top_logprobs if _boolean(body, "logprobs", False) else None
         max_tokens = _max_tokens(body)
-        if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
-            max_tokens = max(1, llm.engine.max_model_len - len(llm.tokenizer.encode(prompt)))
+        if max_tokens is None:  # OpenAI's chat default: whatever the context (or the KV cache) leaves
+            max_tokens = max(1, llm.engine.request_token_limit - len(prompt_ids))
         params = sampling_params(body, max_tokens, logprobs)
         stream = _boolean(body, "stream", False)
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params)
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params)
         return await server.run(request, job, ChatRender(server, top_logprobs), stream,
                                 stream and _include_usage(body))
 
@@ -711,12 +692,6 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
 
 
 # -- the command line -------------------------------------------------------------------------
-def _memory(value: str) -> int | float:
-    """--kv-cache-memory: bytes (an integer) or a fraction of free memory (0 < x <= 1)."""
-    number = float(value)
-    return int(number) if number > 1 else number
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder, .gguf file, alias or hub id")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -725,21 +700,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help="requests that may wait for an engine slot before new ones get 429")
     parser.add_argument("--served-model-name", default=None, help="model id reported by the API")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--device", default="auto")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--kv-cache-memory", type=_memory, default=None,
-                        help="KV cache budget: bytes, or a fraction of free memory")
-    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    engine.add_argument("--max-model-len", type=int, default=None)
+    add_engine_arguments(parser)
     parser.add_argument("--log-level", default="info")
-
-
-ENGINE_FLAGS = ("dtype", "device", "max_num_batched_tokens", "max_num_seqs", "block_size", "kv_cache_memory",
-                "enable_prefix_caching", "max_model_len")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -748,8 +710,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queue < 0:
         raise QrunError(f"--max-queue={args.max_queue} must be >= 0")
-    engine_args = {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
-    llm = AsyncLLM(args.model, **engine_args)
+    llm = AsyncLLM(args.model, **engine_args_from(args))
     try:
         app = build_app(llm, api_key=args.api_key, max_queue=args.max_queue,
                         model_name=args.served_model_name or str(args.model))

@@ -27,6 +27,30 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def chat_messages(value: Any) -> list[dict[str, str]]:
+    """Validated chat messages: a non-empty list of {"role": str, "content": str} objects, where
+    content may also be a list of OpenAI text parts (joined) or null (empty). Other keys are
+    kept. Raises ValueError naming the field at fault ("messages[2].content: ...")."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("messages: must be a non-empty list of {role, content} objects")
+    flat = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}]: must be an object with a string role")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: must be a string or a list of text parts")
+        flat.append({**message, "content": content})
+    return flat
+
+
 class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict[str, Any],
                  eos_token_ids: list[int]):
@@ -79,6 +103,13 @@ class Tokenizer:
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode() of each text, in parallel across cores."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_chat(self, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
+        """Prompt ids of `messages` rendered by the chat template (or `template`), ready for the
+        reply: what every entry point (CLI, chat, server) sends. The template writes any BOS
+        itself, as Hugging Face's apply_chat_template(tokenize=True) assumes, so the tokenizer's
+        own special tokens are not added (a BOS post-processor would add a second one)."""
+        return self.encode(self.apply_chat_template(messages, template=template), add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

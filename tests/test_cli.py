@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from qrun.cli import engine_args_from, main, parse_memory, sampling_params_from
+from qrun.cli import main
+from qrun.options import engine_args_from, parse_memory, sampling_params_from
 from qrun.errors import QrunError
 
 # A small cache keeps model loading quick; the tiny model's context is 512 tokens.
@@ -30,7 +31,7 @@ def test_parse_memory():
 def test_flag_helpers_keep_unset_flags_out():
     import argparse
 
-    from qrun.cli import add_engine_arguments, add_sampling_arguments
+    from qrun.options import add_engine_arguments, add_sampling_arguments
 
     parser = argparse.ArgumentParser()
     add_sampling_arguments(parser)
@@ -120,6 +121,14 @@ def test_info_shows_size_and_kv_capacity(tiny_llama_dir, capsys):
     assert "LlamaForCausalLM" in out and "2 layers" in out and "float32" in out
     # 2 layers x 2 (K, V) x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token -> 2048 tokens in 1 MiB.
     assert "2,048 tokens" in out and "32.00 bits per weight" in out
+    assert "512 B per token" in out  # bytes, labelled as bytes
+
+
+def test_info_kv_tokens_are_capped_as_the_engine_caps_them(tiny_llama_dir, capsys):
+    # One sequence of at most 512 tokens can use 512 tokens of cache, whatever the budget.
+    assert main(["info", str(tiny_llama_dir), "--kv-cache-memory", "1MiB", "--max-num-seqs", "1",
+                 "--max-num-batched-tokens", "64", "--dtype", "float32", "--device", "cpu"]) == 0
+    assert "512 tokens in 1.0 MiB" in capsys.readouterr().out
 
 
 def test_external_subcommand_is_imported_only_when_used(tmp_path, monkeypatch, capsys):

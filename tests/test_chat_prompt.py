@@ -1,0 +1,84 @@
+"""Messages -> prompt ids has one owner (Tokenizer.encode_chat): with a tokenizer whose
+post-processor adds a BOS and a template that writes one, the server, the CLI and LLM all send
+the same ids, with one BOS."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from qrun.cli import parse_batch_line
+from qrun.llm import LLM
+from qrun.tokenizer import chat_messages
+
+pytest.importorskip("uvicorn")
+from test_server import live_server, request  # noqa: E402
+
+from qrun.async_llm import AsyncLLM  # noqa: E402
+from qrun.server import build_app  # noqa: E402
+
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"}]
+ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory=2_000_000, max_num_seqs=4, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_llama_dir, tmp_path_factory):
+    """The tiny llama, its tokenizer given a "<s>" BOS that its post-processor adds (as Llama's do)."""
+    folder = tmp_path_factory.mktemp("bos") / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(bos_token="<s>", chat_template=BOS_TEMPLATE)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder, bos_id
+
+
+def test_chat_prompts_carry_one_bos_from_llm_cli_and_server(bos_model):
+    folder, bos_id = bos_model
+    llm = LLM(str(folder), **ENGINE)
+    ids = llm.tokenizer.encode_chat(MESSAGES)
+    assert ids[0] == bos_id and ids.count(bos_id) == 1
+    assert llm.tokenizer.encode("plain text")[0] == bos_id  # the post-processor is really there
+
+    args = argparse.Namespace(chat=False, **{name: None for name in (
+        "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "stop", "seed", "ignore_eos")})
+    cli_ids, _ = parse_batch_line(llm, json.dumps({"messages": MESSAGES, "max_tokens": 4}), args)
+    assert cli_ids == ids
+
+    engine = AsyncLLM(str(folder), **ENGINE)
+    try:
+        with live_server(build_app(engine, model_name="tiny")) as url:
+            status, _, body = request(url, "/v1/chat/completions",
+                                      {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "temperature": 0})
+    finally:
+        engine.shutdown()
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("messages, field", [
+    ([], "messages"), ("hi", "messages"), ([{"content": "x"}], "messages[0]"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
+])
+def test_bad_messages_name_the_field_at_fault(messages, field):
+    with pytest.raises(ValueError) as err:
+        chat_messages(messages)
+    assert str(err.value).startswith(f"{field}: ")
+
+
+def test_message_content_parts_are_joined_and_null_is_empty():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert chat_messages([{"role": "user", "content": parts}, {"role": "assistant", "content": None}]) == [
+        {"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
