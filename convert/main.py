@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from qrun.config import ModelConfig
-from qrun.convert.calibration import CalibrationError, calibration_rows, default_calibration_files
+from qrun.convert.calibration import calibration_rows, default_calibration_files
 from qrun.convert.compile import (publish, write_config, write_index, write_other_shard, write_tokenizer)
 from qrun.convert.forward import LayerRunner, Rows, load_rows
 from qrun.convert.gptq import Candidate
@@ -169,7 +169,7 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
     chosen_preset = PRESETS[preset]
     source = resolve(src)
     _validate(bits, head_bits, out, source.path, force, calib_rows, calib_len)
-    hf_config, tensors, make_tokenizer = _source_parts(source)
+    hf_config, tensors, make_tokenizer, _ = _source_parts(source)
     if "quantization_config" in hf_config:
         raise ModelLoadError(f"{src} is already quantized; convert from the original weights")
     config = ModelConfig.from_hf(hf_config)
@@ -308,14 +308,12 @@ def _print_table(summary: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="qrun convert")
-    add_convert_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_convert(args)
-    except (ConvertError, CalibrationError, ModelLoadError) as err:
-        print(f"error: {err}")
-        return 2
+    """`python -m qrun.convert.main ...` is `qrun convert ...`, errors and exit codes included."""
+    import sys
+
+    from qrun.cli import main as qrun_main
+
+    return qrun_main(["convert", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

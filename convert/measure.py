@@ -20,7 +20,6 @@ from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, buil
                                   relative_error, save_rows)
 from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
 from qrun.convert.job import atomic_write_text, load_layer_tensors
-from qrun.convert.packing import MatrixLayout
 from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
 
 

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
+from qrun.atomic import atomic_write_text
 from qrun.kernels.launch import MAX_SHARED_MEMORY, Launch
 
 
@@ -250,12 +251,6 @@ def compile_one(job: tuple[Target, str, tuple]) -> Compiled:
     return result
 
 
-@dataclass
-class Report:
-    compiled: list[Compiled]  # every distinct compile, `chosen` set where a launcher would run it
-    failures: list[str]  # sites where no variant fits a target
-
-
 def _cached_compile(jobs: dict[str, tuple[Target, str, tuple]], workers: int) -> dict[str, Compiled]:
     """compile_one for every job, reusing results stored under the qrun cache (keyed by the
     spec, the kernel's source hash and Triton's version, so an edited kernel compiles again)."""
@@ -286,9 +281,7 @@ def _cached_compile(jobs: dict[str, tuple[Target, str, tuple]], workers: int) ->
                 done = list(pool.map(compile_one, jobs_left, chunksize=2))
         for (key, (_, path)), result in zip(todo.items(), done):
             results[key] = result
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(asdict(result)))
-            tmp.replace(path)
+            atomic_write_text(path, json.dumps(asdict(result)))
     return results
 
 
@@ -390,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                        (args.json, lambda: json.dumps({"failures": report.failures, "compiled": [
                            asdict(r) | {"failure": r.failure} for r in report.compiled]}, indent=1))):
         if path:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text())
-            tmp.replace(path)
+            atomic_write_text(path, text())
     for failure in report.failures:
         print(f"FAIL {failure}")
     rejected = sum(bool(r.failure) for r in report.compiled)

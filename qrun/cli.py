@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,9 +155,9 @@ def _generate_batch(llm: "LLM", args: argparse.Namespace) -> None:
 
 def _write_jsonl(records: list[dict[str, Any]], output: str | None) -> None:
     """To stdout, or to `output` via a temporary file renamed into place (never half-written)."""
-    import os
     import sys
-    import tempfile
+
+    from qrun.atomic import atomic_write_text
 
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     if output is None:
@@ -166,10 +165,7 @@ def _write_jsonl(records: list[dict[str, Any]], output: str | None) -> None:
         return
     target = Path(output)
     try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
+        atomic_write_text(target, text)
     except OSError as err:
         raise QrunError(f"cannot write {target}: {err.strerror}") from None
 

@@ -122,6 +122,10 @@ class GGUFModel:
                 values = _unpermute(values, kv_heads)
             yield name, torch.from_numpy(values)
 
+    def tensor_names(self) -> list[str]:
+        """The HF names `tensors` yields, read from the index alone."""
+        return [name for name in map(_hf_name, (t.name for t in self._reader.tensors)) if name is not None]
+
     def _dequantize(self, tensor, shape: tuple[int, ...]) -> np.ndarray:
         """float32 values of one tensor, dequantized a few MiB of rows at a time into the result,
         so a big quantized matrix never has full-size float32 temporaries next to it."""

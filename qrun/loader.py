@@ -7,9 +7,10 @@ never holds two full copies of the weights.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -115,29 +116,51 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_shards(folder: Path, read: Callable[[Any], Iterable]) -> Iterator:
+    """What `read(shard)` yields for each open weight file of `folder`; a damaged file (found on
+    opening or while reading) is a ModelLoadError naming it."""
     from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(folder):
         try:
             with safe_open(str(file), framework="pt") as shard:
-                for name in shard.keys():
-                    yield name, shard.get_tensor(name)
+                yield from read(shard)
         except (SafetensorError, OSError, RuntimeError) as err:
             raise ModelLoadError(f"{file} is truncated or corrupt ({err}); re-download it") from None
 
 
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    return _read_shards(folder, lambda shard: ((name, shard.get_tensor(name)) for name in shard.keys()))
+
+
+def safetensors_names(folder: Path) -> list[str]:
+    return list(_read_shards(folder, lambda shard: shard.keys()))
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(config: ModelConfig, tensor_names: list[str], where: str) -> None:
+    """Fail fast when the config's layer count disagrees with the weights (building a billion
+    layers would otherwise hang long before any weight is read)."""
+    found = {int(m.group(1)) for m in map(_LAYER_INDEX.search, tensor_names) if m}
+    if len(found) != config.num_layers or (found and max(found) != config.num_layers - 1):
+        held = f"layers 0..{max(found)} ({len(found)} of them)" if found else "no decoder layers"
+        raise ModelLoadError(f"{where}: the config says num_hidden_layers={config.num_layers} but the weights hold "
+                             f"{held}; fix the config or re-download the model")
+
+
 def _source_parts(source: ModelSource):
-    """(hf config dict, tensor iterator factory, tokenizer factory) for a source."""
+    """(hf config dict, tensor iterator factory, tokenizer factory, tensor names factory) for a source."""
     if source.kind == "gguf":
         from qrun.gguf import open_gguf
 
         gguf = open_gguf(source.path)
         return (gguf.hf_config, gguf.tensors,
-                lambda eos: Tokenizer(gguf.tokenizer(), gguf.tokenizer_config, eos))
+                lambda eos: Tokenizer(gguf.tokenizer(), gguf.tokenizer_config, eos), gguf.tensor_names)
     hf = read_hf_config(source.path)
     return (hf, lambda: iter_safetensors(source.path),
-            lambda eos: Tokenizer.from_folder(source.path, eos))
+            lambda eos: Tokenizer.from_folder(source.path, eos), lambda: safetensors_names(source.path))
 
 
 def read_model_config(model: str | Path) -> dict:
@@ -188,8 +211,9 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
     source = resolve(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    hf_config, tensors, make_tokenizer = _source_parts(source)
+    hf_config, tensors, make_tokenizer, tensor_names = _source_parts(source)
     config = ModelConfig.from_hf(hf_config)
+    check_layer_count(config, tensor_names(), str(source.path))
     with torch.device("meta"):
         net = Transformer(config, device=torch_device)
         if "quantization_config" in hf_config:

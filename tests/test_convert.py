@@ -56,7 +56,7 @@ def test_tied_head_is_quantized_and_stored_untied(tiny_checkpoints, calib_file, 
 def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
     from qrun.llm import LLM
     from qrun.loader import load_model
-    from qrun.quant import SHARED_INPUTS, QuantLinear
+    from qrun.quant import QuantLinear
     from qrun.sampling_params import SamplingParams
 
     out, summary = converted
@@ -315,3 +315,29 @@ def test_drift_correction_brings_a_layer_fed_drifted_inputs_closer_to_full_preci
         errors[correct] = (out.x - fp_out.x)[:held].pow(2).sum().item()  # the MLP block's output
         assert entry["mlp"]["error"] > 0 and (entry["mlp"]["drift"] > 0) == correct
     assert errors[True] < 0.9 * errors[False]
+
+
+def test_converted_files_get_normal_permissions(converted):
+    import stat
+
+    out, _ = converted
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for file in out.iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file.name
+
+
+def test_a_quantization_error_is_one_line_on_stderr_with_exit_1(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    import qrun.convert.main as convert_main
+    from qrun.cli import main
+    from qrun.convert.gptq import QuantizationError
+
+    def refuse(*args, **kwargs):
+        raise QuantizationError("the calibration Hessian is not positive definite even with heavy damping")
+
+    monkeypatch.setattr(convert_main, "_convert", refuse)
+    assert main(["convert", str(tiny_llama_dir), str(tmp_path / "out"), "--bits", "4"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.strip() == "qrun: error: the calibration Hessian is not positive definite even with heavy damping"
+    assert convert_main.main([str(tiny_llama_dir), str(tmp_path / "out"), "--bits", "4"]) == 1

@@ -40,7 +40,7 @@ def _stream_after(config, runner, src, stream, layer_index, block):
 
 def test_predicted_kl_matches_the_kl_a_small_block_error_causes(tiny_llama_dir, tmp_path):
     source = resolve(str(tiny_llama_dir))
-    hf_config, tensors, _ = _source_parts(source)
+    hf_config, tensors, _, _ = _source_parts(source)
     config = ModelConfig.from_hf(hf_config)
     split_source(tensors(), config, tmp_path)
     other = load_other_tensors(tmp_path)
