@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qrun.errors import QrunError
-from qrun.convert.packing import BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix
+from qrun.format import BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix
 from qrun.kernels.dequant_matmul import MIN_LEVELS, SCALE_LEVELS
 from qrun.kernels.rotation import pack_signs, random_signs, rotate, unrotate
 

@@ -24,7 +24,7 @@ from qrun.convert.gptq import Candidate
 from qrun.convert.job import ConvertError, Job, load_other_tensors, split_source
 from qrun.convert.measure import PRESETS, block_bits, block_weights, run_measurement
 from qrun.convert.optimize import bpw_range, optimize
-from qrun.convert.packing import BIT_WIDTHS, DEFAULT_HEAD_BITS, FORMAT_VERSION
+from qrun.format import BIT_WIDTHS, DEFAULT_HEAD_BITS, FORMAT_VERSION
 from qrun.convert.quantize import quantize_head, run_quantize
 from qrun.errors import ModelLoadError
 from qrun.kernels.rotary import rotary_cos_sin

@@ -11,17 +11,19 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 
 from qrun.errors import QrunError
-from qrun.llm import LLM
 from qrun.sampling_params import SamplingParams
 from qrun.tokenizer import chat_messages
-from qrun.sequence import RequestOutput
+
+if TYPE_CHECKING:  # torch stays unimported until a chat really starts
+    from qrun.llm import LLM
+    from qrun.sequence import RequestOutput
 
 HELP = """\
 /help              this help

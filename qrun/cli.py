@@ -263,7 +263,7 @@ def run_info_plan(args: argparse.Namespace) -> None:
     import torch
 
     from qrun.config import ModelConfig
-    from qrun.convert.packing import DEFAULT_HEAD_BITS
+    from qrun.format import DEFAULT_HEAD_BITS
     from qrun.llm_engine import EngineConfig
     from qrun.loader import read_model_config
     from qrun.memory_plan import CARDS, PLANNED_HEAD_EXTRA_BITS, plan

@@ -1,14 +1,13 @@
 """Quantized linear layers: the module the loader swaps in, and its execution paths.
 
-Every QuantLinear forward goes through one dispatch point (`QuantLinear.forward`, choosing by
-`matmul_path`):
-- the Triton backend (CUDA, or QRUN_KERNELS=triton): the `dequant_matmul` op of `qrun.kernels`;
-- CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`, built at load (`prepare_quantized_linears`):
-  every group width runs exactly on `aten._weight_int4pack_mm_for_cpu` (5-8-bit codes as two
-  4-bit digits); linears sharing an input in the same order (q/k/v, gate/up) run as one
-  (`QuantLinear.fuse`, called by the model's `fuse_projections`).
-- CPU with `QRUN_QUANT_CPU=ref`, and any other device on the torch backend (CUDA with
-  `QRUN_KERNELS=torch`): `dequant_matmul_ref` (float32 dequantize, then matmul).
+Each QuantLinear's path is chosen once, at load (`prepare_quantized_linears` -> `matmul_path`):
+- CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`: every group width runs exactly on
+  `aten._weight_int4pack_mm_for_cpu` (5-8-bit codes as two 4-bit digits); linears sharing an
+  input in the same order (q/k/v, gate/up) run as one (`QuantLinear.fuse`, called by the
+  model's `fuse_projections`).
+- everywhere else: the kernel table's `dequant_matmul` (`qrun.kernels.ops_for`): the Triton
+  kernel on CUDA, or its torch reference (float32 dequantize, then matmul) on the torch backend:
+  the CPU with `QRUN_QUANT_CPU=ref` (for checking the fast path), CUDA with `QRUN_KERNELS=torch`.
 A rotated matrix (stored in a rotated input basis) rotates its input first, on every path,
 unless linears sharing an input also share its rotation (q/k/v, gate/up: quantized together):
 then the model rotates that input once (`share_input_rotations`).
@@ -24,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qrun.convert.packing import FORMAT_VERSION, READABLE_VERSIONS, MatrixLayout
+from qrun.format import FORMAT_VERSION, READABLE_VERSIONS, MatrixLayout
 from qrun.errors import ModelLoadError
 from qrun.kernels import backend, ops_for
-from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref,
+from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
                                          group_values, unpack_rows)
 from qrun.kernels.rotation import rotate, unpack_signs, unrotate
 
@@ -43,12 +42,13 @@ def cpu_mode() -> str:
 
 
 def matmul_path(device: torch.device) -> str:
-    """How quantized linears on `device` multiply: "triton" (the kernels' backend chose Triton),
-    "cpu_int4" (torch's int4 CPU kernel; only the CPU has it) or "reference" (dequantize, then
-    matmul: runs on any device, e.g. CUDA with QRUN_KERNELS=torch)."""
-    if backend(device) == "triton":
-        return "triton"
-    return "cpu_int4" if device.type == "cpu" and cpu_mode() == "fast" else "reference"
+    """How quantized linears on `device` multiply: "cpu_int4" (torch's int4 CPU kernel, which
+    only the CPU has; the default there) or "dequant_matmul" (the kernel table's op: Triton, or
+    its torch reference, which dequantizes and then multiplies on any device, e.g. CUDA with
+    QRUN_KERNELS=torch, or the CPU with QRUN_QUANT_CPU=ref)."""
+    if device.type == "cpu" and backend(device) == "torch" and cpu_mode() == "fast":
+        return "cpu_int4"
+    return "dequant_matmul"
 
 
 class QuantLinear(nn.Module):
@@ -76,7 +76,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
         self._identity: torch.Tensor | None = None
         self._signs: torch.Tensor | None = None
-        self.cpu_matmul: CpuQuantMatmul | None = None
+        self.cpu_matmul: CpuQuantMatmul | None = None  # the "cpu_int4" path's weights
+        self.dequant_matmul = None  # the "dequant_matmul" path's op; both None until `prepare`
 
     def extra_repr(self) -> str:
         runs = ",".join(f"{b}b×{n}" for b, n in self.layout.runs())
@@ -116,20 +117,22 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.rotates_input:
             x2 = rotate(x2, self.input_signs())
-        if self.cpu_matmul is not None:  # prepared at load: the dispatch below was decided then
+        if self.cpu_matmul is None and self.dequant_matmul is None:
+            self.prepare()  # the loader does this; a module built by hand prepares on first use
+        if self.cpu_matmul is not None:
             y = self.cpu_matmul(x2)
-        elif (path := matmul_path(x.device)) == "triton":
-            y = ops_for(x.device).dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
-        elif path == "reference":
-            y = dequant_matmul_ref(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         else:
-            self.prepare_cpu()
-            y = self.cpu_matmul(x2)
+            y = self.dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def prepare_cpu(self) -> None:
-        """Build the CPU fast path's weights now (the loader calls this, so no request pays for it)."""
-        self.cpu_matmul = CpuQuantMatmul.build([self])
+    def prepare(self) -> None:
+        """Choose this linear's execution path for its device, once (`matmul_path`), and build
+        what it needs: the CPU int4 weights, or the kernel table's dequant_matmul."""
+        device = self.qweight.device
+        if matmul_path(device) == "cpu_int4":
+            self.cpu_matmul, self.dequant_matmul = CpuQuantMatmul.build([self]), None
+        else:
+            self.cpu_matmul, self.dequant_matmul = None, ops_for(device).dequant_matmul
 
     def cpu_parts(self) -> "_CpuParts":
         """This matrix in the CPU fast path's terms (see CpuQuantMatmul)."""
@@ -283,10 +286,11 @@ def share_input_rotations(model: nn.Module) -> None:
 
 
 def prepare_quantized_linears(model: nn.Module) -> None:
-    """Build every quantized linear's CPU fast path at load, so the first request does not wait."""
+    """Choose every quantized linear's path at load, building the CPU int4 weights where that is
+    the path, so the first request does not wait and no forward reads the environment."""
     for module in model.modules():
-        if isinstance(module, QuantLinear) and matmul_path(module.qweight.device) == "cpu_int4":
-            module.prepare_cpu()
+        if isinstance(module, QuantLinear):
+            module.prepare()
 
 
 def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]:

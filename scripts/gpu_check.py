@@ -220,7 +220,7 @@ def bench_rotary(ctx: Ctx) -> list[Row]:
 
 
 def bench_dequant_matmul(ctx: Ctx) -> list[Row]:
-    from qrun.convert.packing import MatrixLayout, pack_matrix
+    from qrun.format import MatrixLayout, pack_matrix
     from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 
     rows = []

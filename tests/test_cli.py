@@ -176,3 +176,15 @@ def test_a_config_claiming_more_layers_than_the_weights_fails_at_once(tiny_llama
     assert time.monotonic() - start < 30  # building a billion layers would take hours
     err = capsys.readouterr().err
     assert "num_hidden_layers=1000000000" in err and "layers 0..1 (2 of them)" in err
+
+
+def test_help_and_version_import_neither_torch_nor_triton():
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom qrun.cli import main\nfor argv in (['--help'], ['--version'], ['generate', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from qrun.convert.packing import (BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix,
+from qrun.format import (BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix,
                                   pack_run, unpack_matrix)
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref, group_values,
                                          unpack_rows)

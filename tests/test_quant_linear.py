@@ -39,9 +39,11 @@ def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n):
     module, result = quant_linear(cand, k, n, bias=True)
     x = torch.randn(5, k)
     monkeypatch.setenv("QRUN_QUANT_CPU", "ref")
+    module.prepare()
     ref = module(x)
     torch.testing.assert_close(ref, x @ result.dequantized().T + module.bias, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("QRUN_QUANT_CPU", "fast")
+    module.prepare()
     fast = module(x)
     assert fast.dtype == x.dtype and fast.shape == (5, n)
     rel = (fast - ref).norm() / ref.norm()
@@ -58,7 +60,7 @@ def test_unknown_cpu_mode_is_rejected(monkeypatch):
     module, _ = quant_linear(Candidate(64, ((4, 1.0),)), 128, 16)
     monkeypatch.setenv("QRUN_QUANT_CPU", "turbo")
     with pytest.raises(ValueError):
-        module(torch.randn(1, 128))
+        module.prepare()
 
 
 def quantized_siblings(cand: Candidate, k: int, widths: list[int]) -> list[QuantLinear]:
@@ -73,7 +75,7 @@ def quantized_siblings(cand: Candidate, k: int, widths: list[int]) -> list[Quant
         for name, tensor in result.tensors().items():
             setattr(module, name, nn.Parameter(tensor, requires_grad=False))
         module.bias = nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
-        module.prepare_cpu()
+        module.prepare()
         modules.append(module)
     return modules
 
@@ -92,25 +94,31 @@ def test_linears_permuted_differently_are_not_fused():
     cand = Candidate(64, ((4, 1.0),))
     a = quantized_siblings(cand, 256, [32])[0]
     b = quant_linear(cand, 256, 32, seed=5)[0]
-    b.prepare_cpu()
+    b.prepare()
     assert not torch.equal(a.perm, b.perm)
     assert QuantLinear.fuse([a, b]) is None
 
 
 def test_torch_backend_on_a_gpu_dequantizes_instead_of_using_the_cpu_only_int4_kernel(monkeypatch):
+    from qrun.kernels import ops_for
+    from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
+
     monkeypatch.setenv("QRUN_KERNELS", "torch")
-    assert matmul_path(torch.device("cuda")) == "reference"
+    assert matmul_path(torch.device("cuda")) == "dequant_matmul"
+    assert ops_for(torch.device("cuda")).dequant_matmul is dequant_matmul_ref
     assert matmul_path(torch.device("cpu")) == "cpu_int4"
     monkeypatch.setenv("QRUN_KERNELS", "auto")
-    assert matmul_path(torch.device("cuda")) == "triton"
+    assert matmul_path(torch.device("cuda")) == "dequant_matmul"
+    assert ops_for(torch.device("cuda")).dequant_matmul is dequant_matmul_triton
     assert matmul_path(torch.device("cpu")) == "cpu_int4"
 
     # A module whose weights sit where the CPU kernel does not exist (the device check faked):
-    # nothing is prepared for the CPU at load, and its forward dequantizes.
+    # nothing is built for the CPU at load, and its forward runs the table's torch reference.
     module, result = quant_linear(Candidate(64, ((4, 0.5), (3, 0.5))), 256, 32)
-    monkeypatch.setattr(quant, "matmul_path", lambda device: "reference")
+    monkeypatch.setenv("QRUN_KERNELS", "torch")
+    monkeypatch.setattr(quant, "matmul_path", lambda device: "dequant_matmul")
     prepare_quantized_linears(module)
-    assert module.cpu_matmul is None
+    assert module.cpu_matmul is None and module.dequant_matmul is dequant_matmul_ref
     x = torch.randn(3, 256)
     torch.testing.assert_close(module(x), x @ result.dequantized().T, rtol=1e-4, atol=1e-4)
     assert module.cpu_matmul is None

@@ -322,7 +322,7 @@ def test_apply_rotary(head_dim, dtype):
 
 
 def _packed_matrix(k, n, group_size, bits, asym, seed):
-    from qrun.convert.packing import MatrixLayout, pack_matrix
+    from qrun.format import MatrixLayout, pack_matrix
 
     gen = torch.Generator().manual_seed(seed)
     layout = MatrixLayout(k, n, group_size, tuple(bits), asym)

@@ -1,4 +1,5 @@
-"""Bit packing of quantized weights and the exact bit accounting of a quantized matrix.
+"""The packed weight format (runtime-owned; the converter writes it): bit packing of quantized
+weights and the exact bit accounting of a quantized matrix.
 
 The layout is specified in docs/FORMAT.md; this module is its reference implementation.
 
