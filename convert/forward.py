@@ -61,13 +61,7 @@ class LayerRunner:
 
     def _meta(self, rows: int):
         length = self.row_len
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(rows * length),
-            block_tables=torch.arange(rows, dtype=torch.int32)[:, None],
-            seq_lens=torch.full((rows,), length, dtype=torch.int32),
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32) * length,
-            max_query_len=length, max_seq_len=length,
-        )
+        meta = AttentionMetadata.build([(0, length)] * rows, [[row] for row in range(rows)], length)  # a block per row
         shape = (rows, length, self.config.num_kv_heads, self.config.head_dim)
         positions = torch.arange(length).repeat(rows)
         return meta, positions, torch.zeros(shape), torch.zeros(shape)

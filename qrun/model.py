@@ -29,6 +29,27 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
 
+    @classmethod
+    def build(cls, spans: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for a step where sequence s computes positions spans[s] = (start, end) and
+        keeps its K/V in the blocks block_tables[s] (tables padded with block 0 to one width)."""
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        for (start, end), table in zip(spans, block_tables):
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + end - start)
+        width = max(len(table) for table in block_tables)
+        padded = [table + [0] * (width - len(table)) for table in block_tables]
+
+        def tensor(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(tensor(slots, torch.int64), tensor(padded), tensor(seq_lens), tensor(query_start),
+                   max(end - start for start, end in spans), max(seq_lens))
+
 
 class KVCache:
     """One preallocated pool of fixed-size blocks per layer, for keys and for values."""

@@ -34,41 +34,21 @@ class ModelRunner:
         stops short of the prompt's end only fills the cache.
         """
         self.copy_blocks(batch.block_copies)
-        bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
+        spans: list[tuple[int, int]] = []
         sample_rows: list[int] = []
         sampling: list[Sequence] = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            end = start + n
-            input_ids += seq.tokens_between(start, end)
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + n)
-            if end == len(seq):
-                sample_rows.append(query_start[-1] - 1)
+            input_ids += seq.tokens_between(start, start + n)
+            spans.append((start, start + n))
+            if start + n == len(seq):
+                sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
-
-        def tensor(values, dtype=torch.int32):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(tables),
-            seq_lens=tensor(seq_lens),
-            query_start_loc=tensor(query_start),
-            max_query_len=max(batch.num_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        ids, positions, rows = (tensor(v, torch.int64) for v in (input_ids, positions, sample_rows))
+        meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device)
+        positions = [p for start, end in spans for p in range(start, end)]
+        ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
+                                for v in (input_ids, positions, sample_rows))
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.model(ids, positions, meta, self.kv_cache)

@@ -81,13 +81,7 @@ def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     device = model.cos_sin.device
     dtype = model.embed_tokens.weight.dtype
     cache = KVCache(model.config, 1, n, dtype, device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        max_query_len=n, max_seq_len=n,
-    )
+    meta = AttentionMetadata.build([(0, n)], [[0]], n, device)  # the whole window in one block
     with torch.inference_mode():
         hidden = model(ids.to(device), torch.arange(n, device=device), meta, cache)
         return model.compute_logits(hidden).float().log_softmax(-1)

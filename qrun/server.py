@@ -297,6 +297,17 @@ class ChoiceState:
     logprobs_sent: int = 0
     finished: bool = False
 
+    def advance(self, choice) -> tuple[str, list] | None:
+        """The text and logprobs `choice` (a CompletionOutput) added since the last chunk, now
+        counted as sent; None once its finishing chunk has gone, or when it added nothing."""
+        if self.finished:
+            return None
+        text = choice.text[self.text_sent:]
+        new_logprobs = (choice.logprobs or [])[self.logprobs_sent:]
+        self.text_sent, self.logprobs_sent = len(choice.text), len(choice.logprobs or [])
+        self.finished = choice.finish_reason is not None
+        return (text, new_logprobs) if text or self.finished else None
+
 
 class Server:
     def __init__(self, llm: AsyncLLM, api_key: str | None, max_queue: int, model_name: str):
@@ -520,16 +531,12 @@ class CompletionRender:
         chunks = []
         for c in output.outputs:
             state = states.setdefault((index, c.index), ChoiceState())
-            if state.finished:
+            first = state.text_sent == 0
+            if (sent := state.advance(c)) is None:
                 continue
-            text = c.text[state.text_sent:]
-            if state.text_sent == 0 and self.echo and output.prompt:
+            text, new_logprobs = sent
+            if first and self.echo and output.prompt:
                 text = output.prompt + text
-            new_logprobs = (c.logprobs or [])[state.logprobs_sent:]
-            state.text_sent, state.logprobs_sent = len(c.text), len(c.logprobs or [])
-            state.finished = c.finish_reason is not None
-            if not text and not state.finished:
-                continue
             chunks.append({**self._base(job), "choices": [{
                 "index": index * job.params.n + c.index, "text": text,
                 "logprobs": self._logprobs(new_logprobs, job.params.logprobs) if c.logprobs is not None else None,
@@ -582,15 +589,9 @@ class ChatRender:
                      states: dict[tuple[int, int], ChoiceState]) -> list[dict]:
         chunks = []
         for c in output.outputs:
-            state = states.setdefault((index, c.index), ChoiceState())
-            if state.finished:
+            if (sent := states.setdefault((index, c.index), ChoiceState()).advance(c)) is None:
                 continue
-            text = c.text[state.text_sent:]
-            new_logprobs = (c.logprobs or [])[state.logprobs_sent:]
-            state.text_sent, state.logprobs_sent = len(c.text), len(c.logprobs or [])
-            state.finished = c.finish_reason is not None
-            if not text and not state.finished:
-                continue
+            text, new_logprobs = sent
             chunks.append({**self._base(job, "chat.completion.chunk"), "choices": [{
                 "index": c.index, "delta": {"content": text} if text else {},
                 "logprobs": self._logprobs(new_logprobs) if c.logprobs is not None else None,

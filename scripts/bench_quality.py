@@ -79,15 +79,12 @@ def decode_seconds(loaded, batch: int, context: int, steps: int) -> float:
     block = 16
     blocks_per_seq = (context + steps + block - 1) // block
     cache = KVCache(model.config, batch * blocks_per_seq, block, loaded.dtype, "cpu")
-    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
     times = []
     with torch.inference_mode():
         for step in range(steps):
             pos = context + step
-            meta = AttentionMetadata(
-                slot_mapping=tables[:, pos // block].long() * block + pos % block,
-                block_tables=tables, seq_lens=torch.full((batch,), pos + 1, dtype=torch.int32),
-                query_start_loc=torch.arange(batch + 1, dtype=torch.int32), max_query_len=1, max_seq_len=pos + 1)
+            meta = AttentionMetadata.build([(pos, pos + 1)] * batch, tables, block)
             ids = torch.randint(0, model.config.vocab_size, (batch,))
             t0 = time.perf_counter()
             model.compute_logits(model(ids, torch.full((batch,), pos), meta, cache))

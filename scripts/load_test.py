@@ -19,13 +19,14 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from qrun.bench import percentile
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Never route loopback requests through an HTTP proxy from the environment.
@@ -120,14 +121,6 @@ async def run_level(host: str, port: int, concurrency: int, args: argparse.Names
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results, time.perf_counter() - start
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def report_row(concurrency: int, results: list[Result], elapsed: float) -> dict:

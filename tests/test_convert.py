@@ -95,8 +95,7 @@ def _logits(model, ids):
 
     t = ids.shape[0]
     cache = KVCache(model.config, 1, t, torch.float32, "cpu")
-    meta = AttentionMetadata(torch.arange(t), torch.zeros(1, 1, dtype=torch.int32),
-                             torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32), t, t)
+    meta = AttentionMetadata.build([(0, t)], [[0]], t)
     with torch.no_grad():
         return model.compute_logits(model(ids, torch.arange(t), meta, cache))
 

@@ -8,6 +8,12 @@ from qrun.convert.gptq import (Candidate, HessianAccumulator, QuantizationError,
 from qrun.kernels.dequant_matmul import dequant_matmul_ref
 
 
+def hessian_of(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[1])
+    acc.add(x)
+    return acc.hessian()
+
+
 def correlated_inputs(k: int, tokens: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     mix = torch.randn(k, k, generator=g) / k ** 0.5
@@ -21,9 +27,7 @@ def test_gptq_beats_rtn_on_output_error_with_correlated_inputs(bits):
     torch.manual_seed(0)
     x = correlated_inputs(256, 2048)
     w = torch.randn(128, 256)
-    acc = HessianAccumulator(256)
-    acc.add(x)
-    h = acc.hessian()
+    h = hessian_of(x)
     cand = Candidate(64, ((bits, 1.0),))
     gptq_err = output_error(w, gptq_quantize(w, h, cand).dequantized(), h)
     rtn_err = output_error(w, rtn_quantize(w, cand).dequantized(), h)
@@ -66,9 +70,7 @@ def test_inverse_factor_is_the_upper_cholesky_factor_of_the_damped_inverse_hessi
 def test_more_bits_for_important_groups_lowers_error_at_equal_storage():
     x = correlated_inputs(256, 2048, seed=1)
     w = torch.randn(64, 256)
-    acc = HessianAccumulator(256)
-    acc.add(x)
-    h = acc.hessian()
+    h = hessian_of(x)
     uniform = gptq_quantize(w, h, Candidate(32, ((3, 1.0),)))
     mixed = gptq_quantize(w, h, Candidate(32, ((4, 0.25), (3, 0.5), (2, 0.25))))
     assert mixed.layout.group_bits == (4, 4, 3, 3, 3, 3, 2, 2)
@@ -131,9 +133,7 @@ def test_candidates_quantized_together_equal_quantized_alone():
 
     x = correlated_inputs(128, 512, seed=4)
     w = torch.randn(40, 128)
-    acc = HessianAccumulator(128)
-    acc.add(x)
-    h = acc.hessian()
+    h = hessian_of(x)
     cands = [Candidate(64, ((2, 1.0),)), Candidate(64, ((8, 0.5), (3, 0.5))), Candidate(32, ((4, 1.0),), asym=True),
              Candidate(32, ((4, 0.5), (3, 0.5)), asym=True, act_order="group"),
              Candidate(32, ((5, 1.0),), asym=True, act_order=False)]

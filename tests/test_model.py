@@ -27,23 +27,17 @@ def forward_chunks(loaded, pieces, block_tables, num_blocks=64):
     done = {}
     logits = {}
     for step in pieces:
-        ids, positions, slots, lens, starts = [], [], [], [], [0]
+        ids, positions, spans = [], [], []
         for seq, tokens in step:
             start = done.get(seq, 0)
-            for p in range(start, start + len(tokens)):
-                slots.append(block_tables[seq][p // BLOCK] * BLOCK + p % BLOCK)
             ids += tokens
             positions += range(start, start + len(tokens))
+            spans.append((start, start + len(tokens)))
             done[seq] = start + len(tokens)
-            lens.append(done[seq])
-            starts.append(starts[-1] + len(tokens))
-        width = max(len(block_tables[s]) for s, _ in step)
-        tables = [block_tables[s] + [0] * (width - len(block_tables[s])) for s, _ in step]
-        meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                                 torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                                 max(len(t) for _, t in step), max(lens))
+        meta = AttentionMetadata.build(spans, [block_tables[s] for s, _ in step], BLOCK)
         with torch.inference_mode():
             out = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), meta, kv))
+        starts = meta.query_start_loc.tolist()
         for (seq, _), a, b in zip(step, starts, starts[1:]):
             logits.setdefault(seq, []).append(out[a:b])
     return {seq: torch.cat(parts) for seq, parts in logits.items()}
