@@ -74,13 +74,3 @@ def publish(final_dir: Path, out: Path, job_dir: Path, force: bool) -> None:
         os.replace(out, old)
     os.replace(final_dir, out)
     shutil.rmtree(job_dir, ignore_errors=True)
-
-
-def tensor_bytes(path: Path, names: list[str]) -> int:
-    total = 0
-    with safe_open(str(path), framework="pt") as f:
-        for n in names:
-            t = f.get_tensor(n)
-            total += t.numel() * t.element_size()
-    return total
-

@@ -54,10 +54,6 @@ class Candidate:
         order = {True: "", False: ":noact", "group": ":gact"}[self.act_order]
         return f"{mix}:g{self.group_size}{':asym' if self.asym else ''}{order}{':rot' if self.rotate else ''}"
 
-    @property
-    def nominal_bits(self) -> float:
-        return sum(b * f for b, f in self.bits)
-
     def to_json(self) -> dict:
         return {"name": self.name, "group_size": self.group_size, "asym": self.asym,
                 "act_order": self.act_order, "rotate": self.rotate, "bits": [[b, f] for b, f in self.bits]}

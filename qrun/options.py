@@ -69,12 +69,17 @@ def sampling_params_from(args: argparse.Namespace, **overrides: Any) -> Sampling
     return SamplingParams(**{**sampling_fields_from(args), **overrides})
 
 
+def add_placement_arguments(parser) -> None:
+    """--dtype and --device (unset: None, meaning auto), for commands that load a model."""
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags; unset flags stay None so EngineConfig's defaults apply."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32)")
-    group.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
+    add_placement_arguments(group)
     group.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
     group.add_argument("--max-num-batched-tokens", type=int, help="token budget of one forward pass")
     group.add_argument("--block-size", type=int, help="tokens per KV cache block (a power of two)")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from qrun.errors import QrunError
+from qrun.options import add_placement_arguments
 
 
 class EvalError(QrunError):
@@ -32,13 +33,12 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help="score only the first N tokens of each file")
     parser.add_argument("--ref", help="reference model for KL(ref || model), e.g. the unquantized original")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    add_placement_arguments(parser)
 
 
 def run_ppl(args: argparse.Namespace) -> int:
     result = evaluate(args.model, args.text, ctx=args.ctx, max_tokens=args.max_tokens, ref=args.ref,
-                      device=args.device, dtype=args.dtype)
+                      device=args.device or "auto", dtype=args.dtype or "auto")
     if args.json:
         print(json.dumps(result))
     else:
