@@ -18,7 +18,7 @@ from qrun.model_runner import ModelRunner
 from qrun.sampler import sample
 from qrun.sampling_params import SamplingParams
 from qrun.scheduler import Scheduler
-from qrun.sequence import RequestMetrics, RequestOutput, Sequence, Status
+from qrun.sequence import RequestMetrics, RequestOutput, Sequence
 from qrun.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("qrun")
@@ -235,18 +235,11 @@ class LLMEngine:
             seqs.append(seq)
             request = self.requests[seq.request_id]
             if seq.index == 0 and len(request.seqs) < request.params.n and not seq.output_token_ids:
-                running = self.scheduler.running
-                position = running.index(seq) + 1
-                for index in range(1, request.params.n):
-                    child = self._new_sequence(request, index)
-                    self.block_manager.fork(seq, child)
-                    child.status = Status.RUNNING
-                    child.num_cached_tokens = seq.num_cached_tokens
-                    running.insert(position, child)
-                    position += 1
-                    request.seqs.append(child)
-                    rows.append(row)
-                    seqs.append(child)
+                children = [self._new_sequence(request, index) for index in range(1, request.params.n)]
+                self.scheduler.fork(seq, children)
+                request.seqs += children
+                rows += [row] * len(children)
+                seqs += children
         if len(seqs) == len(sampling):
             return sampling, logits
         return seqs, logits[rows]

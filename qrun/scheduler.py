@@ -96,6 +96,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Run `children` right after `parent`, sharing its blocks (its other samples, n > 1):
+        they sample their first token with it, and are preempted before it."""
+        position = self.running.index(parent) + 1
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.status = Status.RUNNING
+            child.num_cached_tokens = parent.num_cached_tokens
+        self.running[position:position] = children
+
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and release its blocks."""
         if seq in self.running:
