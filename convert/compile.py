@@ -13,7 +13,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from qrun.convert.job import atomic_save, atomic_write_text
+from qrun.atomic import atomic_write_text
+from qrun.convert.job import atomic_save
 from qrun.convert.quantize import shard_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from qrun.atomic import atomic_path, atomic_write_text  # noqa: F401 (atomic_write_text: re-exported to the stages)
+from qrun.atomic import atomic_path, atomic_write_text
 from qrun.errors import QrunError
+from qrun.loader import LAYER_TENSOR
 
-LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
 class ConvertError(QrunError):
@@ -99,7 +98,7 @@ def split_source(tensors, config, folder: Path, progress=None) -> None:
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
     other: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        match = LAYER_RE.match(name)
+        match = LAYER_TENSOR.match(name)
         if match is None:
             other[name.removeprefix("model.")] = tensor.float().contiguous()
             continue

@@ -19,7 +19,8 @@ import torch
 from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, load_rows, new_hessians,
                                   relative_error, save_rows)
 from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
-from qrun.convert.job import atomic_write_text, load_layer_tensors
+from qrun.atomic import atomic_write_text
+from qrun.convert.job import load_layer_tensors
 from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
 
 

@@ -299,7 +299,7 @@ def check(targets: list[Target] = TARGETS, workers: int | None = None) -> Report
         raise RuntimeError("the ahead-of-time check compiles kernels: run it without TRITON_INTERPRET=1")
     workers = workers or os.cpu_count() or 1
     sites = list(all_sites())
-    pending = []  # (target, site, its variants' compile keys, index of the next variant to try)
+    pending = []  # (target, site, the compile keys of each of its variants)
     jobs: dict[str, tuple[Target, str, tuple]] = {}
     for target in targets:
         for site in sites:

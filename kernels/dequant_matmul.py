@@ -111,7 +111,7 @@ def dequant_matmul_ref(
 #   cast to the activation dtype, fp32 accumulation), autotuned over tile shapes on a GPU.
 
 import triton  # noqa: E402
-import triton.language as tl
+import triton.language as tl  # noqa: E402
 
 from qrun.kernels.launch import Launch, fits_device, is_interpreted, sm_count  # noqa: E402
 

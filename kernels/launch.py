@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from triton.runtime.autotuner import Autotuner
+
 # Shared memory one block may use, in bytes (the opt-in maximum), by CUDA compute capability.
 MAX_SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 DEFAULT_SHARED_MEMORY = 101376  # no device to ask (the interpreter): a consumer card's limit
@@ -28,15 +30,8 @@ class Launch:
     options: dict[str, int] = field(default_factory=dict)  # num_warps / num_stages; none when interpreted
 
     @property
-    def name(self) -> str:
-        fn = self.jit_function
-        return getattr(fn, "__name__", None) or fn.fn.__name__
-
-    @property
     def jit_function(self) -> Any:
         """The kernel itself, out of its Autotuner if it has one."""
-        from triton.runtime.autotuner import Autotuner
-
         return self.kernel.fn if isinstance(self.kernel, Autotuner) else self.kernel
 
     def run(self) -> None:
@@ -76,15 +71,17 @@ def fits_device(launch: Launch, device: Any) -> bool:
     """Whether `launch` compiles for `device` (a torch.device) within its shared memory and
     without spilling registers; compiled once per distinct kernel variant (Triton then keeps
     the binary for the launch itself). Always True in the interpreter."""
-    if is_interpreted(launch.jit_function):
+    kernel = launch.jit_function
+    if is_interpreted(kernel):
         return True
-    tensor_types = tuple(str(a.dtype) for a in launch.args if hasattr(a, "dtype"))
-    key = (str(device), launch.name, tensor_types, tuple(sorted(launch.constexprs.items())),
-           tuple(sorted(launch.options.items())))
+    # Asked on every launch of a layer: a key of the objects themselves, no formatting (a
+    # launcher always lists its constexprs and options in the same order).
+    key = (device, kernel, tuple(a.dtype for a in launch.args if hasattr(a, "dtype")),
+           tuple(launch.constexprs.values()), tuple(launch.options.values()))
     if key not in _FITS:
         from triton.runtime.errors import OutOfResources
 
-        compiled = launch.jit_function.warmup(*launch.args, grid=(1,), **launch.constexprs, **launch.options)
+        compiled = kernel.warmup(*launch.args, grid=(1,), **launch.constexprs, **launch.options)
         try:
             compiled._init_handles()  # loads the binary: sets n_spills, raises past the shared memory
             _FITS[key] = compiled.n_spills == 0 and compiled.metadata.shared <= max_shared_memory(device)

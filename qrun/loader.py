@@ -137,13 +137,14 @@ def safetensors_names(folder: Path) -> list[str]:
     return list(_read_shards(folder, lambda shard: shard.keys()))
 
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A decoder layer's tensor, as checkpoints name it: (layer index, the name within the layer).
+LAYER_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
 def check_layer_count(config: ModelConfig, tensor_names: list[str], where: str) -> None:
     """Fail fast when the config's layer count disagrees with the weights (building a billion
     layers would otherwise hang long before any weight is read)."""
-    found = {int(m.group(1)) for m in map(_LAYER_INDEX.search, tensor_names) if m}
+    found = {int(m.group(1)) for m in map(LAYER_TENSOR.match, tensor_names) if m}
     if len(found) != config.num_layers or (found and max(found) != config.num_layers - 1):
         held = f"layers 0..{max(found)} ({len(found)} of them)" if found else "no decoder layers"
         raise ModelLoadError(f"{where}: the config says num_hidden_layers={config.num_layers} but the weights hold "
