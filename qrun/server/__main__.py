@@ -1,0 +1,3 @@
+from qrun.server.command import main
+
+raise SystemExit(main())

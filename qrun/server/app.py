@@ -1,0 +1,259 @@
+"""The HTTP app: `Server` (API key, admission, running a job to an answer or a stream) and the
+routes of `build_app`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from qrun.async_llm import AsyncLLM
+from qrun.errors import QrunError
+from qrun.sequence import RequestOutput
+from qrun.server.job import Job, merged_outputs
+from qrun.server.metrics import ServerMetrics
+from qrun.server.protocol import (ApiError, _bad, _boolean, _check_common, _include_usage, _integer,
+                                  _max_tokens, _prompts, sampling_params)
+from qrun.server.render import STREAM_END, ChatRender, CompletionRender, Render, sse_event, usage
+from qrun.tokenizer import chat_messages
+
+log = logging.getLogger("qrun.server")
+
+DEFAULT_MAX_QUEUE = 256
+# Seconds a client told "queue full" should wait; requests here last seconds, not minutes.
+RETRY_AFTER_S = 1
+
+
+class Server:
+    """What every HTTP request shares: the engine, who may use it, how many may wait for it, and
+    the metrics; `run` takes one job to a JSON answer or an event stream."""
+
+    def __init__(self, llm: AsyncLLM, api_key: str | None, max_queue: int, model_name: str):
+        self.llm = llm
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.model_name = model_name
+        self.slots = llm.engine.config.max_num_seqs
+        self.in_flight = 0
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+
+    # -- admission --------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.api_key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           kind="authentication_error")
+
+    def admit(self) -> None:
+        """Requests beyond the engine's sequence slots queue; past max_queue of those, 429."""
+        if self.in_flight >= self.slots + self.max_queue:
+            raise ApiError(429, f"the server queue is full ({self.max_queue} waiting requests); retry later",
+                           kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def finish(self, job: Job, status: int, outputs: dict[int, RequestOutput]) -> None:
+        finished = time.time()
+        counts = usage(outputs)
+        job.prompt_tokens, job.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+        self.metrics.record(job, status, finished)
+        ttft = f"{job.first_token - job.started:.3f}s" if job.first_token else "-"
+        log.info("%s status=%d prompt_tokens=%d completion_tokens=%d ttft=%s duration=%.3fs",
+                 job.request_id, status, job.prompt_tokens, job.completion_tokens, ttft, finished - job.started)
+
+    async def _tracked(self, job: Job, first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]],
+                       latest: dict[int, RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`first`, then the rest of the job's outputs; each kept in `latest` (the newest per
+        prompt, for usage and the answer) and the first token timed."""
+        index, output = first
+        while True:
+            if job.first_token is None and any(o.token_ids for o in output.outputs):
+                job.first_token = time.time()
+                self.metrics.ttft.observe(job.first_token - job.started)
+            latest[index] = output
+            yield index, output
+            try:
+                index, output = await anext(rest)
+            except StopAsyncIteration:
+                return
+
+    # -- running a job ----------------------------------------------------------------------
+    async def first_output(self, job: Job) -> tuple[AsyncIterator[tuple[int, RequestOutput]], tuple[int, RequestOutput]]:
+        """Start the job and wait for its first output, so a bad request is a 400, not a broken stream."""
+        stream = merged_outputs(self.llm, job)
+        try:
+            first = await anext(stream)
+        except ValueError as err:  # the engine's RequestError: too long for the context or the cache
+            await stream.aclose()
+            raise ApiError(400, str(err)) from None
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream, first
+
+    async def run(self, request: Request, job: Job, render: Render, stream: bool, include_usage: bool) -> Response:
+        self.admit()
+        self.in_flight += 1
+        try:
+            outputs_stream, first = await self.first_output(job)
+        except ApiError as err:
+            self.in_flight -= 1
+            self.finish(job, err.status, {})
+            raise
+        except BaseException:
+            self.in_flight -= 1
+            self.finish(job, 500, {})
+            raise
+        if stream:
+            return StreamingResponse(self.events(job, outputs_stream, first, render, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
+        return await self.collect(request, job, outputs_stream, first, render)
+
+    async def collect(self, request: Request, job: Job, stream: AsyncIterator[tuple[int, RequestOutput]],
+                      first: tuple[int, RequestOutput], render: Render) -> Response:
+        """Run to completion; a client that leaves meanwhile cancels the work."""
+        latest: dict[int, RequestOutput] = {}
+        status = 500
+
+        async def consume() -> None:
+            async for _ in self._tracked(job, first, stream, latest):
+                pass
+
+        work = asyncio.create_task(consume())
+        gone = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                status = 499  # nginx's "client closed request": nobody reads this answer
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return Response(status_code=499)
+            work.result()
+            status = 200
+            return JSONResponse(render.answer(job, latest))
+        finally:
+            # Bookkeeping first: under cancellation the awaits below may not get to run.
+            self.in_flight -= 1
+            self.finish(job, status, latest)
+            gone.cancel()
+            await stream.aclose()
+
+    async def events(self, job: Job, stream: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
+                     render: Render, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of text, then usage, then [DONE].
+
+        When the client disconnects, Starlette cancels this generator (or closes it at the
+        next send); the finally clause then closes the engine stream, which aborts the requests.
+        """
+        latest: dict[int, RequestOutput] = {}
+        status = 499
+        try:
+            for chunk in render.first_chunks(job):
+                yield sse_event(chunk)
+            async for index, output in self._tracked(job, first, stream, latest):
+                for chunk in render.delta_chunks(job, index, output):
+                    yield sse_event(chunk)
+            if include_usage:
+                yield sse_event(render.usage_chunk(job, latest))
+            yield STREAM_END
+            status = 200
+        except Exception as err:  # noqa: BLE001 - a failed engine step, reported to this client only
+            # Headers are out: report the failure in-band, as OpenAI does.
+            status = 500
+            yield sse_event(ApiError(500, str(err), kind="server_error").body())
+            yield STREAM_END
+        finally:
+            # Bookkeeping first: under cancellation the await below may not get to run (the
+            # engine stream aborts its requests on its own when it is cancelled).
+            self.in_flight -= 1
+            self.finish(job, status, latest)
+            await stream.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+              model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving `llm`. `max_queue`: requests allowed to wait for an engine slot."""
+    server = Server(llm, api_key, max_queue, model_name or str(llm.engine.config.model))
+    app = FastAPI(title="qrun", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        return err.response()
+
+    async def json_body(request: Request) -> dict:
+        server.check_auth(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        _check_common(body)
+        return body
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.metrics.render(llm.stats(), server.in_flight),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.check_auth(request)
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "qrun",
+            "max_model_len": llm.engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await json_body(request)
+        prompts = _prompts(body)
+        logprobs = _integer(body, "logprobs", None, 0, 20)
+        params = sampling_params(body, _max_tokens(body) or 16, logprobs)  # OpenAI's default: 16
+        stream = _boolean(body, "stream", False)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", prompts, params)
+        render = CompletionRender(llm.tokenizer, server.model_name, _boolean(body, "echo", False))
+        return await server.run(request, job, render, stream, stream and _include_usage(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await json_body(request)
+        try:
+            prompt_ids = llm.tokenizer.encode_chat(chat_messages(body.get("messages")))
+        except ValueError as err:
+            field, _, problem = str(err).partition(": ")
+            raise _bad(field, problem) from None
+        except QrunError as err:
+            raise _bad("messages", str(err)) from None
+        top_logprobs = _integer(body, "top_logprobs", 0, 0, 20)
+        logprobs = top_logprobs if _boolean(body, "logprobs", False) else None
+        max_tokens = _max_tokens(body)
+        if max_tokens is None:  # OpenAI's chat default: whatever the context (or the KV cache) leaves
+            max_tokens = max(1, llm.engine.request_token_limit - len(prompt_ids))
+        params = sampling_params(body, max_tokens, logprobs)
+        stream = _boolean(body, "stream", False)
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params)
+        return await server.run(request, job, ChatRender(llm.tokenizer, server.model_name, top_logprobs), stream,
+                                stream and _include_usage(body))
+
+    return app

@@ -1,0 +1,66 @@
+"""A Job: what one HTTP request asks of the engine (one engine request per prompt, n choices each),
+its timings, and its outputs merged across prompts as they arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from qrun.async_llm import AsyncLLM
+from qrun.sampling_params import SamplingParams
+from qrun.sequence import RequestOutput
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    started: float = field(default_factory=time.time)
+    first_token: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+async def merged_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, output) from all of a job's engine requests as they arrive.
+
+    Leaving early (client gone) cancels the per-prompt tasks, whose generators then abort
+    their engine requests and free the blocks.
+    """
+    if len(job.prompts) == 1:  # the common case, without tasks in between
+        async with contextlib.aclosing(llm.generate(job.prompts[0], job.params, job.request_id)) as stream:
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, prompt: str | list[int]) -> None:
+        try:
+            async with contextlib.aclosing(llm.generate(prompt, job.params, f"{job.request_id}-{index}")) as stream:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, who re-raises it
+            queue.put_nowait((index, err))
+            if isinstance(err, asyncio.CancelledError):
+                raise
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(job.prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
