@@ -21,7 +21,7 @@ def rms_norm_ref(
     """
     if residual is not None:
         x = x + residual
-    dtype = torch.promote_types(x.dtype, weight.dtype)
+    dtype = x.dtype if x.dtype == weight.dtype else torch.promote_types(x.dtype, weight.dtype)
     return F.rms_norm(cast(x, dtype), x.shape[-1:], cast(weight, dtype), eps), x
 
 

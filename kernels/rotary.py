@@ -18,16 +18,31 @@ def apply_rotary_ref(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]. Returns rotated (q, k) in their dtype."""
-    cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)
-    # x * [cos, cos] + [x2, x1] * [-sin, sin]: five ops per tensor (this runs in every layer)
-    cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    cos2, sin2 = _step_tables(positions, cos_sin)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = cast(x, torch.float32)
-        x1, x2 = xf.chunk(2, dim=-1)
-        return cast(torch.addcmul(xf * cos2, torch.cat([x2, x1], dim=-1), sin2), x.dtype)
+        # x * [cos, cos] + [x2, x1] * [-sin, sin]; half inputs promote to float32 inside the ops
+        x1, x2 = x.chunk(2, dim=-1)
+        return cast(torch.addcmul(x * cos2, torch.cat([x2, x1], dim=-1), sin2), x.dtype)
 
     return rotate(q), rotate(k)
+
+
+_last_tables: tuple[tuple[int, int], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _step_tables(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 1, D] tables ([cos, cos], [-sin, sin]) of a step's positions, made by its first layer and
+    reused by the others (eight small ops a layer, ~2 ms of a 135M model's decode step on a CPU)."""
+    global _last_tables
+    cached = _last_tables  # one read: another thread's engine may replace it meanwhile
+    if cached is not None and cached[0] == (id(positions), id(cos_sin)):
+        return cached[2], cached[3]
+    cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)
+    cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    # positions is kept alive with the tables, so its id cannot be reused while they are cached
+    _last_tables = ((id(positions), id(cos_sin)), positions, cos2, sin2)
+    return cos2, sin2
 
 
 # ---------------------------------------------------------------------------------------------
