@@ -65,7 +65,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
             vocab = logits.shape[1]
             scaled = truncate(
                 scaled,
-                torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device),
+                # Capped at the vocabulary: a larger top_k means the same and may not fit an int64.
+                torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
                 torch.tensor([p.top_p for p in params], device=device),
                 torch.tensor([p.min_p for p in params], device=device),
             )
