@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Most alternatives per sampled token that logprobs may report (OpenAI's limit too).
+MAX_LOGPROBS = 20
+
+
+class InvalidSamplingParam(ValueError):
+    """One field out of range; `name` is the field, for APIs that point their clients at it."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+        raise InvalidSamplingParam(name, f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
 
 
 @dataclass
@@ -45,8 +56,8 @@ class SamplingParams:
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", self.logprobs, "None or an integer in [0, 20]")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stops), "stop", self.stop, "non-empty strings")

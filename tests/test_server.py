@@ -234,6 +234,65 @@ def test_bad_fields_are_400_naming_the_field(url, body, param):
     assert reply["error"]["param"] == param and param in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "stream_options": "yes"}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "min_tokens"),  # above the default max_tokens, 16
+])
+def test_bad_nested_and_dependent_fields_are_400_naming_the_field(url, path, body, param):
+    status, _, reply = request(url, path, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw, content_type", [(b"{not json", "application/json"), (b"[1, 2]", "application/json"),
+                                               (b"\xff\xfe", "application/json"), (b"", "application/json"),
+                                               (b'{"prompt": "x"}', "text/plain")])
+def test_a_body_that_is_no_json_object_is_400_in_openai_shape(url, raw, content_type):
+    req = urllib.request.Request(url + "/v1/completions", data=raw, headers={"Content-Type": content_type})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        NO_PROXY.open(req, timeout=30)
+    assert caught.value.code == 400
+    error = json.loads(caught.value.read())["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None and "body" in error["message"]
+
+
+def test_null_fields_take_their_defaults_and_the_largest_values_are_served(url):
+    status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": None,
+                                                        "stop": None, "stream_options": None})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    # top_k beyond any vocabulary (or int64) and the largest seed, with n choices seeded seed + i.
+    status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": 2**70,
+                                                        "seed": 2**63 - 2**10, "n": 16})
+    assert status == 200 and len(reply["choices"]) == 16
+
+
+def test_openapi_describes_the_request_bodies(url):
+    status, _, spec = request(url, "/openapi.json")
+    assert status == 200
+    schemas = spec["components"]["schemas"]
+    for path, model, fields in [
+        ("/v1/completions", "CompletionRequest", {"prompt", "max_tokens", "stream", "n", "logprobs", "echo"}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages", "max_tokens", "stream", "top_logprobs"}),
+    ]:
+        operation = spec["paths"][path]["post"]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert fields <= set(schemas[model]["properties"])
+        # Errors are OpenAI's shape with status 400, not FastAPI's 422.
+        assert "422" not in operation["responses"]
+        assert operation["responses"]["4XX"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    assert schemas["ChatMessage"]["required"] == ["role"]
+    n = next(s for s in schemas["CompletionRequest"]["properties"]["n"]["anyOf"] if s["type"] == "integer")
+    assert (n["minimum"], n["maximum"]) == (1, 16)
+
+
 def test_request_that_can_never_fit_is_400(url, llm):
     too_long = llm.engine.max_model_len + 10
     status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": too_long})
@@ -253,6 +312,8 @@ def test_api_key(llm):
         assert request(base, "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
         with pytest.raises(openai.AuthenticationError):
             client(base, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        # The key is checked before the body, whatever is wrong with it.
+        assert request(base, "/v1/completions", {"prompt": 12})[0] == 401
         got = client(base, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert got.usage.completion_tokens >= 1
         assert request(base, "/health")[0] == 200

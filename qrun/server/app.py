@@ -4,22 +4,24 @@ routes of `build_app`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qrun.async_llm import AsyncLLM
 from qrun.errors import QrunError
 from qrun.sequence import RequestOutput
-from qrun.server.job import Job, merged_outputs
+from qrun.server.job import Job, PromptOutput, merged_outputs
 from qrun.server.metrics import ServerMetrics
-from qrun.server.protocol import (ApiError, _bad, _boolean, _check_common, _include_usage, _integer,
-                                  _max_tokens, _prompts, sampling_params)
+from qrun.server.protocol import (NOT_JSON, ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                  invalid_request)
 from qrun.server.render import STREAM_END, ChatRender, CompletionRender, Render, sse_event, usage
 from qrun.tokenizer import chat_messages
 
@@ -45,13 +47,16 @@ class Server:
         self.created = int(time.time())
 
     # -- admission --------------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           kind="authentication_error")
+    def auth_error(self, request: Request) -> ApiError | None:
+        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        kind="authentication_error")
+
+    async def require_auth(self, request: Request) -> None:
+        """The /v1 routes' dependency."""
+        if (error := self.auth_error(request)) is not None:
+            raise error
 
     def admit(self) -> None:
         """Requests beyond the engine's sequence slots queue; past max_queue of those, 429."""
@@ -69,8 +74,8 @@ class Server:
         log.info("%s status=%d prompt_tokens=%d completion_tokens=%d ttft=%s duration=%.3fs",
                  job.request_id, status, job.prompt_tokens, job.completion_tokens, ttft, finished - job.started)
 
-    async def _tracked(self, job: Job, first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]],
-                       latest: dict[int, RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _tracked(self, job: Job, first: PromptOutput, rest: AsyncIterator[PromptOutput],
+                       latest: dict[int, RequestOutput]) -> AsyncIterator[PromptOutput]:
         """`first`, then the rest of the job's outputs; each kept in `latest` (the newest per
         prompt, for usage and the answer) and the first token timed."""
         index, output = first
@@ -86,12 +91,12 @@ class Server:
                 return
 
     # -- running a job ----------------------------------------------------------------------
-    async def first_output(self, job: Job) -> tuple[AsyncIterator[tuple[int, RequestOutput]], tuple[int, RequestOutput]]:
+    async def first_output(self, job: Job) -> tuple[AsyncIterator[PromptOutput], PromptOutput]:
         """Start the job and wait for its first output, so a bad request is a 400, not a broken stream."""
         stream = merged_outputs(self.llm, job)
         try:
             first = await anext(stream)
-        except ValueError as err:  # the engine's RequestError: too long for the context or the cache
+        except ValueError as err:  # the engine's RequestError: a prompt it can never serve (too long, empty)
             await stream.aclose()
             raise ApiError(400, str(err)) from None
         except BaseException:
@@ -118,8 +123,8 @@ class Server:
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
         return await self.collect(request, job, outputs_stream, first, render)
 
-    async def collect(self, request: Request, job: Job, stream: AsyncIterator[tuple[int, RequestOutput]],
-                      first: tuple[int, RequestOutput], render: Render) -> Response:
+    async def collect(self, request: Request, job: Job, stream: AsyncIterator[PromptOutput],
+                      first: PromptOutput, render: Render) -> Response:
         """Run to completion; a client that leaves meanwhile cancels the work."""
         latest: dict[int, RequestOutput] = {}
         status = 500
@@ -147,7 +152,7 @@ class Server:
             gone.cancel()
             await stream.aclose()
 
-    async def events(self, job: Job, stream: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
+    async def events(self, job: Job, stream: AsyncIterator[PromptOutput], first: PromptOutput,
                      render: Render, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new piece of text, then usage, then [DONE].
 
@@ -190,23 +195,25 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
               model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving `llm`. `max_queue`: requests allowed to wait for an engine slot."""
     server = Server(llm, api_key, max_queue, model_name or str(llm.engine.config.model))
-    app = FastAPI(title="qrun", docs_url=None, redoc_url=None)
+    # strict_content_type=False: a body sent without a Content-Type is still read as JSON.
+    app = FastAPI(title="qrun", docs_url=None, redoc_url=None, strict_content_type=False)
     app.state.server = server
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
         return err.response()
 
-    async def json_body(request: Request) -> dict:
-        server.check_auth(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        _check_common(body)
-        return body
+    # FastAPI reads and validates the body before any dependency runs, so these answer a client
+    # without the API key with 401 themselves, as a valid body would be answered.
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        return (server.auth_error(request) or invalid_request(err.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        if err.status_code == 400:  # FastAPI could not decode the body (not UTF-8, say)
+            return (server.auth_error(request) or ApiError(400, NOT_JSON)).response()
+        return await http_exception_handler(request, err)
 
     @app.get("/health")
     async def health() -> dict:
@@ -217,43 +224,35 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
         return PlainTextResponse(server.metrics.render(llm.stats(), server.in_flight),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        server.check_auth(request)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.require_auth)], responses={"4XX": {
+        "model": ErrorResponse, "description": "invalid request (400), wrong API key (401), queue full (429)"}})
+
+    @v1.get("/models")
+    async def models() -> dict:
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "qrun",
             "max_model_len": llm.engine.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await json_body(request)
-        prompts = _prompts(body)
-        logprobs = _integer(body, "logprobs", None, 0, 20)
-        params = sampling_params(body, _max_tokens(body) or 16, logprobs)  # OpenAI's default: 16
-        stream = _boolean(body, "stream", False)
-        job = Job(f"cmpl-{uuid.uuid4().hex}", prompts, params)
-        render = CompletionRender(llm.tokenizer, server.model_name, _boolean(body, "echo", False))
-        return await server.run(request, job, render, stream, stream and _include_usage(body))
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        params = body.sampling_params(body.token_limit, body.logprobs)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", body.prompts(), params)
+        render = CompletionRender(llm.tokenizer, server.model_name, body.echo)
+        return await server.run(request, job, render, body.stream, body.include_usage)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await json_body(request)
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         try:
-            prompt_ids = llm.tokenizer.encode_chat(chat_messages(body.get("messages")))
-        except ValueError as err:
-            field, _, problem = str(err).partition(": ")
-            raise _bad(field, problem) from None
-        except QrunError as err:
-            raise _bad("messages", str(err)) from None
-        top_logprobs = _integer(body, "top_logprobs", 0, 0, 20)
-        logprobs = top_logprobs if _boolean(body, "logprobs", False) else None
-        max_tokens = _max_tokens(body)
+            prompt_ids = llm.tokenizer.encode_chat(chat_messages([m.model_dump() for m in body.messages]))
+        except QrunError as err:  # the model's chat template refused these messages
+            raise ApiError(400, f"messages: {err}", "messages") from None
+        max_tokens = body.token_limit
         if max_tokens is None:  # OpenAI's chat default: whatever the context (or the KV cache) leaves
             max_tokens = max(1, llm.engine.request_token_limit - len(prompt_ids))
-        params = sampling_params(body, max_tokens, logprobs)
-        stream = _boolean(body, "stream", False)
+        params = body.sampling_params(max_tokens, body.top_logprobs if body.logprobs else None)
         job = Job(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params)
-        return await server.run(request, job, ChatRender(llm.tokenizer, server.model_name, top_logprobs), stream,
-                                stream and _include_usage(body))
+        render = ChatRender(llm.tokenizer, server.model_name, body.top_logprobs)
+        return await server.run(request, job, render, body.stream, body.include_usage)
 
+    app.include_router(v1)
     return app

@@ -13,6 +13,8 @@ from qrun.async_llm import AsyncLLM
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
 
+PromptOutput = tuple[int, RequestOutput]  # (index of the prompt in the job, its newest output)
+
 
 @dataclass
 class Job:
@@ -25,7 +27,7 @@ class Job:
     completion_tokens: int = 0
 
 
-async def merged_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[PromptOutput]:
     """Yield (prompt index, output) from all of a job's engine requests as they arrive.
 
     Leaving early (client gone) cancels the per-prompt tasks, whose generators then abort
