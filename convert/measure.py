@@ -20,8 +20,8 @@ from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, buil
                                   relative_error, save_rows)
 from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
 from qrun.atomic import atomic_write_text
-from qrun.convert.job import load_layer_tensors
 from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
+from qrun.convert.split import load_layer_tensors
 
 
 def _c(g, bits, asym=False, act_order=True, rotate=False):

@@ -17,8 +17,9 @@ import torch
 from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, final_norm, load_rows,
                                   relative_error, save_rows)
 from qrun.convert.gptq import Candidate, HessianAccumulator, QuantizedMatrix, drift_error, gptq_quantize
-from qrun.convert.job import ConvertError, atomic_save, load_layer_tensors
+from qrun.convert.job import ConvertError, atomic_save
 from qrun.convert.measure import Preset, quantize_input
+from qrun.convert.split import load_layer_tensors
 
 WILD_FACTOR = 10.0
 WILD_SLACK = 0.02

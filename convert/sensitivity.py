@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from qrun.convert.forward import LayerRunner, Rows, build_layer, final_norm
-from qrun.convert.job import atomic_torch_save, load_layer_tensors
+from qrun.convert.job import atomic_torch_save
+from qrun.convert.split import load_layer_tensors
 
 
 def layer_streams(runner: LayerRunner, layer, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ import torch
 
 from qrun.config import ModelConfig
 from qrun.convert.forward import LayerRunner, Rows, build_layer
-from qrun.convert.job import load_layer_tensors, load_other_tensors, split_source
+from qrun.convert.split import load_layer_tensors, load_other_tensors, split_source
 from qrun.convert.sensitivity import (block_gradients, head_log_probs, layer_streams, load_block_gradients,
                                       predicted_kl)
 from qrun.kernels.rotary import rotary_cos_sin
