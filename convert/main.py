@@ -22,8 +22,9 @@ from qrun.convert.compile import (publish, write_config, write_index, write_othe
 from qrun.convert.forward import LayerRunner, Rows, load_rows
 from qrun.convert.gptq import Candidate
 from qrun.convert.job import ConvertError, Job
-from qrun.convert.measure import PRESETS, block_bits, block_weights, run_measurement
+from qrun.convert.measure import block_bits, block_weights, run_measurement
 from qrun.convert.optimize import bpw_range, optimize
+from qrun.convert.presets import PRESETS
 from qrun.convert.split import load_other_tensors, split_source
 from qrun.format import BIT_WIDTHS, DEFAULT_HEAD_BITS, FORMAT_VERSION
 from qrun.convert.quantize import quantize_head, run_quantize

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,91 +19,9 @@ from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, buil
                                   relative_error, save_rows)
 from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
 from qrun.atomic import atomic_write_text
+from qrun.convert.presets import Preset
 from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
 from qrun.convert.split import load_layer_tensors
-
-
-def _c(g, bits, asym=False, act_order=True, rotate=False):
-    return Candidate(g, tuple(bits), asym, act_order, rotate)
-
-
-# EXL2-style: widest codes on the most important input groups, in descending runs. "g128" is
-# snapped per matrix to the largest multiple of 32 dividing K (96 for K = 576). 4-bit group-32
-# asymmetric in the original column order reproduces a Q4_1 source up to its 8-bit scale codes
-# at ~4.56 bpw; the group-act-order g32 mixes keep that block grid while moving bits between
-# whole blocks. Below ~3.5 bpw the rotated candidates (incoherence processing) win: on SmolLM2
-# they cut the output error of 2- and 3-bit matrices by 10-25% at equal group size, and act-order
-# no longer pays for its permutation. Every default candidate was picked at some target between
-# 2.3 and 6 bpw on SmolLM2; the ones never picked there are in the best preset only.
-_ROTATED = [_c(128, [(2, 1.0)], act_order=False, rotate=True),
-            _c(128, [(2, 1.0)], asym=True, act_order=False, rotate=True),
-            _c(128, [(3, 1.0)], asym=True, act_order=False, rotate=True)]
-_ROTATED_4B = _c(128, [(4, 1.0)], asym=True, act_order=False, rotate=True)
-_SOURCE_GRID = _c(32, [(4, 1.0)], asym=True, act_order=False)
-_SOURCE_GRID_MIX = _c(32, [(4, 0.5), (3, 0.5)], asym=True, act_order="group")
-# Fast: few GPTQ sweeps (one per group size, symmetry, order and basis), since each costs a pass.
-CANDIDATES_FAST = _ROTATED[1:] + [
-    _ROTATED_4B,
-    _c(128, [(8, 1.0)], asym=True, act_order=False, rotate=True),
-    _SOURCE_GRID,
-    _SOURCE_GRID_MIX,
-]
-CANDIDATES_DEFAULT = _ROTATED + [
-    _c(256, [(3, 1.0)], asym=True, act_order=False, rotate=True),
-    _c(512, [(3, 1.0)], asym=True, act_order=False, rotate=True),
-    _ROTATED_4B,
-    _c(128, [(3, 0.5), (2, 0.5)]),
-    _c(128, [(3, 0.25), (2, 0.75)]),
-    _c(128, [(6, 1.0)]),
-    _c(128, [(8, 1.0)]),
-    _c(128, [(2, 1.0)], asym=True),
-    _c(128, [(3, 1.0)], asym=True),
-    _SOURCE_GRID,
-    _c(32, [(4, 0.25), (3, 0.75)], asym=True, act_order="group"),
-    _SOURCE_GRID_MIX,
-    _c(32, [(3, 1.0)], asym=True, act_order="group"),
-]
-CANDIDATES_BEST = CANDIDATES_DEFAULT + [
-    _c(128, [(2, 1.0)]),
-    _c(128, [(3, 1.0)]),
-    _c(128, [(4, 1.0)]),
-    _c(128, [(4, 0.5), (3, 0.5)]),
-    _c(128, [(4, 0.25), (3, 0.75)]),
-    _c(128, [(4, 1.0)], asym=True),
-    _c(64, [(2, 1.0)], asym=True, act_order=False, rotate=True),
-    _c(64, [(3, 1.0)], asym=True, act_order=False, rotate=True),
-    _c(256, [(4, 1.0)], asym=True, act_order=False, rotate=True),
-    _c(128, [(5, 1.0)]),
-    _c(32, [(4, 0.75), (3, 0.25)], asym=True, act_order="group"),
-    _c(32, [(5, 0.25), (4, 0.75)], asym=True, act_order="group"),
-    _c(128, [(4, 0.75), (3, 0.25)]),
-    _c(128, [(5, 0.5), (4, 0.5)]),
-    _c(128, [(8, 0.1), (4, 0.9)]),
-    _c(128, [(3, 0.75), (2, 0.25)]),
-    _c(64, [(2, 1.0)], asym=True),
-    _c(64, [(3, 1.0)], asym=True),
-    _c(32, [(4, 0.125), (3, 0.875)], asym=True, act_order="group"),
-    _c(32, [(4, 0.375), (3, 0.625)], asym=True, act_order="group"),
-    _c(32, [(4, 0.625), (3, 0.375)], asym=True, act_order="group"),
-    _c(32, [(4, 0.875), (3, 0.125)], asym=True, act_order="group"),
-]
-
-
-@dataclass(frozen=True)
-class Preset:
-    candidates: list
-    rows: int
-    row_len: int
-    score_rows: int  # rows the measurement scores block outputs on (and the quantize pass holds out)
-    clip_search: bool
-    correct_drift: bool  # quantize toward the full-precision model's outputs where that helps (quantize.py)
-
-
-PRESETS = {
-    "fast": Preset(CANDIDATES_FAST, 8, 256, 1, False, False),
-    "default": Preset(CANDIDATES_DEFAULT, 32, 512, 2, True, True),
-    "best": Preset(CANDIDATES_BEST, 128, 512, 8, True, True),
-}
 
 
 def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]:

@@ -18,7 +18,8 @@ from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, buil
                                   relative_error, save_rows)
 from qrun.convert.gptq import Candidate, HessianAccumulator, QuantizedMatrix, drift_error, gptq_quantize
 from qrun.convert.job import ConvertError, atomic_save
-from qrun.convert.measure import Preset, quantize_input
+from qrun.convert.measure import quantize_input
+from qrun.convert.presets import Preset
 from qrun.convert.split import load_layer_tensors
 
 WILD_FACTOR = 10.0

@@ -286,7 +286,7 @@ def test_drift_correction_brings_a_layer_fed_drifted_inputs_closer_to_full_preci
 
     from qrun.convert.forward import LayerRunner, Rows, build_layer
     from qrun.convert.gptq import Candidate
-    from qrun.convert.measure import PRESETS
+    from qrun.convert.presets import PRESETS
     from qrun.convert.quantize import quantize_layer
     from qrun.kernels.rotary import rotary_cos_sin
     from qrun.loader import load_model
