@@ -10,27 +10,36 @@ from dataclasses import dataclass
 
 import torch
 
+from qrun.config import ModelConfig
 from qrun.convert.gptq import HessianAccumulator
+from qrun.format import LAYER_INPUTS, LAYER_LINEARS
 from qrun.kernels import ops_for
 from qrun.model import AttentionMetadata, DecoderLayer
 
-ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-# Linears that share one input (and so one Hessian), in the order GPTQ runs them.
-SHARED_INPUTS = {
-    "attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attn_out": ("self_attn.o_proj",),
-    "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp_out": ("mlp.down_proj",),
-}
+# The units the converter gives one candidate each, by the layer inputs (qrun/format.py) of their linears.
 BLOCKS = {"attn": ("attn_in", "attn_out"), "mlp": ("mlp_in", "mlp_out")}
 
 
+def block_linears(block: str) -> list[str]:
+    """Names of a block's linears, in forward order."""
+    return [name for layer_input in BLOCKS[block] for name in LAYER_INPUTS[layer_input]]
+
+
+def empty_layer(config: ModelConfig) -> DecoderLayer:
+    """A decoder layer of `config` on the meta device: the model's names and shapes, no weights."""
+    with torch.device("meta"):
+        return DecoderLayer(config, ops_for(torch.device("cpu")))
+
+
 def build_layer(config, tensors: dict[str, torch.Tensor]) -> DecoderLayer:
-    with torch.device("meta"):  # no random initialisation of weights about to be replaced
-        layer = DecoderLayer(config, ops_for(torch.device("cpu")))
+    layer = empty_layer(config)  # no random initialisation of weights about to be replaced
     layer.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True, assign=True)
     return layer.eval().requires_grad_(False)
+
+
+def linear_shapes(layer: DecoderLayer) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each of a layer's linears, by name."""
+    return {name: tuple(layer.get_submodule(name).weight.shape) for name in LAYER_LINEARS}
 
 
 @dataclass
@@ -120,13 +129,10 @@ def final_norm(config, other: dict[str, torch.Tensor]):
     return norm.requires_grad_(False)
 
 
-def new_hessians(config) -> dict[str, HessianAccumulator]:
-    return {
-        "attn_in": HessianAccumulator(config.hidden_size),
-        "attn_out": HessianAccumulator(config.num_heads * config.head_dim),
-        "mlp_in": HessianAccumulator(config.hidden_size),
-        "mlp_out": HessianAccumulator(config.intermediate_size),
-    }
+def new_hessians(layer: DecoderLayer) -> dict[str, HessianAccumulator]:
+    """An empty accumulator for each of the layer's inputs, by input name."""
+    return {layer_input: HessianAccumulator(layer.get_submodule(linears[0]).in_features)
+            for layer_input, linears in LAYER_INPUTS.items()}
 
 
 def relative_error(y_hat: torch.Tensor, y: torch.Tensor) -> float:

@@ -19,7 +19,7 @@ import torch
 from qrun.config import ModelConfig
 from qrun.convert.calibration import calibration_rows, default_calibration_files
 from qrun.convert.compile import (publish, write_config, write_index, write_other_shard, write_tokenizer)
-from qrun.convert.forward import LayerRunner, Rows, load_rows
+from qrun.convert.forward import LayerRunner, Rows, block_linears, empty_layer, linear_shapes, load_rows
 from qrun.convert.gptq import Candidate
 from qrun.convert.job import ConvertError, Job
 from qrun.convert.measure import block_bits, block_weights, run_measurement
@@ -185,8 +185,9 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
         measured_blocks, candidates = _load_measurement(Path(measurement), config)
     by_name = {c.name: c for c in candidates}
     # Bits range from shapes alone: reject impossible targets before any work.
-    shape_blocks = [{"weights": block_weights(config, b),
-                     "results": [{"bits": block_bits(config, b, c)} for c in candidates]}
+    shapes = linear_shapes(empty_layer(config))
+    shape_blocks = [{"weights": block_weights(shapes, b),
+                     "results": [{"bits": block_bits(shapes, b, c)} for c in candidates]}
                     for _ in range(config.num_layers) for b in ("attn", "mlp")]
     low, high = bpw_range(shape_blocks)
     if bits < low - 1e-9:
@@ -248,8 +249,8 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
         for entry in report:
             for block in ("attn", "mlp"):
                 cand = choice[f"layers.{entry['layer']}.{block}"]
-                for name, lin_shape in _block_shapes(config, block):
-                    n, k = lin_shape
+                for name in block_linears(block):
+                    n, k = shapes[name]
                     modules[f"model.layers.{entry['layer']}.{name}"] = cand.layout(k, n).to_json()
         if head_layout is not None:
             modules["lm_head"] = head_layout.to_json()
@@ -275,15 +276,6 @@ def _convert(src, out, start, *, bits, head_bits, calib, calib_rows, calib_len, 
     if not quiet:
         _print_table(summary)
     return summary
-
-
-def _block_shapes(config, block: str):
-    h, inter = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    if block == "attn":
-        return [("self_attn.q_proj", (q_out, h)), ("self_attn.k_proj", (kv_out, h)),
-                ("self_attn.v_proj", (kv_out, h)), ("self_attn.o_proj", (h, q_out))]
-    return [("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)), ("mlp.down_proj", (h, inter))]
 
 
 def _print_table(summary: dict) -> None:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, load_rows, new_hessians,
-                                  relative_error, save_rows)
-from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
 from qrun.atomic import atomic_write_text
+from qrun.convert.forward import (BLOCKS, LayerRunner, Rows, block_linears, build_layer, empty_layer, linear_shapes,
+                                  load_rows, new_hessians, relative_error, save_rows)
+from qrun.convert.gptq import Candidate, QuantizedMatrix, drift_corrected, gptq_quantize_many
 from qrun.convert.presets import Preset
 from qrun.convert.sensitivity import block_gradients, load_block_gradients, predicted_kl
 from qrun.convert.split import load_layer_tensors
+from qrun.format import LAYER_INPUTS
 
 
 def split_matrix(qm: QuantizedMatrix, sizes: list[int]) -> list[QuantizedMatrix]:
@@ -39,7 +40,7 @@ def quantize_input(layer, shared: str, cands: list[Candidate], h: torch.Tensor, 
 
     With `cross` (the input drift's correlation, see gptq.drift_corrected) the target is the
     full-precision model's output rather than the layer's own unquantized output."""
-    names = SHARED_INPUTS[shared]
+    names = LAYER_INPUTS[shared]
     weights = [layer.get_submodule(n).weight.float() for n in names]
     w = torch.cat(weights)
     if cross is not None:
@@ -58,19 +59,13 @@ def quantize_block_many(layer, block: str, cands: list[Candidate], hessians: dic
     return results
 
 
-def block_bits(config, block: str, cand: Candidate) -> int:
-    """Exact storage bits of a block's matrices under a candidate."""
-    h, inter = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = ([(q_out, h), (kv_out, h), (kv_out, h), (h, q_out)] if block == "attn"
-              else [(inter, h), (inter, h), (h, inter)])
-    return sum(cand.layout(k, n).storage_bits() for n, k in shapes)
+def block_bits(shapes: dict[str, tuple[int, int]], block: str, cand: Candidate) -> int:
+    """Exact storage bits of a block's matrices under a candidate (`shapes`: forward.linear_shapes)."""
+    return sum(cand.layout(k, n).storage_bits() for n, k in (shapes[name] for name in block_linears(block)))
 
 
-def block_weights(config, block: str) -> int:
-    h, inter = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return (2 * q_out * h + 2 * kv_out * h) if block == "attn" else 3 * inter * h
+def block_weights(shapes: dict[str, tuple[int, int]], block: str) -> int:
+    return sum(n * k for n, k in (shapes[name] for name in block_linears(block)))
 
 
 class swapped_weights:
@@ -91,10 +86,11 @@ class swapped_weights:
             self.layer.get_submodule(name).weight.data = w
 
 
-def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config, grads: dict[str, torch.Tensor],
+def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, grads: dict[str, torch.Tensor],
                   on_candidate=None):
     """Measure every candidate on both blocks of one layer; returns (results, next rows)."""
-    hessians = new_hessians(config)
+    hessians = new_hessians(layer)
+    shapes = linear_shapes(layer)
     nxt, kept = runner.run(layer, rows, {k: acc.add for k, acc in hessians.items()},
                            keep_inputs=preset.score_rows)
     h = {k: v.hessian() for k, v in hessians.items()}
@@ -106,7 +102,7 @@ def measure_layer(layer, runner: LayerRunner, rows: Rows, preset: Preset, config
         for cand, quantized in zip(preset.candidates, all_quantized):
             with swapped_weights(layer, quantized):
                 out = runner.block_output(layer, block, kept[block])
-            entries.append({"candidate": cand.name, "bits": block_bits(config, block, cand),
+            entries.append({"candidate": cand.name, "bits": block_bits(shapes, block, cand),
                             "error": relative_error(out, ref), "kl": predicted_kl(out - ref, grads[block])})
             if on_candidate:
                 on_candidate()
@@ -133,7 +129,7 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         progress.describe(task, f"measure layer {i + 1}/{config.num_layers}")
         layer = build_layer(config, load_layer_tensors(src_dir, i))
         t0 = time.time()
-        results, rows = measure_layer(layer, runner, rows, preset, config, load_block_gradients(mdir, i),
+        results, rows = measure_layer(layer, runner, rows, preset, load_block_gradients(mdir, i),
                                       lambda: progress.advance(task))
         atomic_write_text(mdir / f"layer_{i:04d}.json", json.dumps({"time": time.time() - t0, **results}))
         save_rows(rows, mdir / f"state_{i:04d}.pt")  # named by layer: a kill never mismatches
@@ -141,10 +137,11 @@ def run_measurement(job, config, runner: LayerRunner, rows: Rows, preset: Preset
         (mdir / f"state_{i - 1:04d}.pt").unlink(missing_ok=True)
         del layer
     progress.finish(task)
+    shapes = linear_shapes(empty_layer(config))
     blocks = []
     for i in range(config.num_layers):
         data = json.loads((mdir / f"layer_{i:04d}.json").read_text())
         for block in ("attn", "mlp"):
             blocks.append({"name": f"layers.{i}.{block}", "layer": i, "block": block,
-                           "weights": block_weights(config, block), "results": data[block]})
+                           "weights": block_weights(shapes, block), "results": data[block]})
     return blocks

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from qrun.convert.forward import (BLOCKS, SHARED_INPUTS, LayerRunner, Rows, build_layer, final_norm, load_rows,
-                                  relative_error, save_rows)
+from qrun.convert.forward import (LayerRunner, Rows, block_linears, build_layer, final_norm, load_rows, relative_error,
+                                  save_rows)
 from qrun.convert.gptq import Candidate, HessianAccumulator, QuantizedMatrix, drift_error, gptq_quantize
 from qrun.convert.job import ConvertError, atomic_save
 from qrun.convert.measure import quantize_input
 from qrun.convert.presets import Preset
 from qrun.convert.split import load_layer_tensors
+from qrun.format import LAYER_INPUTS
 
 WILD_FACTOR = 10.0
 WILD_SLACK = 0.02
@@ -78,7 +79,7 @@ def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows | None,
     output. Returns (quantized matrices, report entry, next rows, next fp rows or None)."""
     fp_next, fp_inputs = None, None
     if fp_rows is not None:
-        captured: dict[str, list[torch.Tensor]] = {name: [] for name in SHARED_INPUTS}
+        captured: dict[str, list[torch.Tensor]] = {name: [] for name in LAYER_INPUTS}
         fp_next, _ = runner.run(layer, fp_rows, {name: xs.append for name, xs in captured.items()})
         fp_inputs = {name: torch.cat(xs) for name, xs in captured.items()}
         del captured
@@ -128,7 +129,7 @@ def quantize_layer(layer, runner: LayerRunner, rows: Rows, fp_rows: Rows | None,
         err = relative_error(runner.block_output(qlayer, block, score), target)
         drift = 0.0 if fp_inputs is None else relative_error(runner.block_output(layer, block, score), target)
         check_error(name, err, drift, measured.get(name))
-        parts = [quantized[n] for shared in BLOCKS[block] for n in SHARED_INPUTS[shared]]
+        parts = [quantized[n] for n in block_linears(block)]
         entry[block] = {"candidate": choice[name].name, "error": err, "drift": drift, "measured": measured.get(name),
                         "bits": sum(m.layout.storage_bits() for m in parts),
                         "weights": sum(m.layout.in_features * m.layout.out_features for m in parts)}

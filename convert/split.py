@@ -13,23 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from qrun.config import ModelConfig
+from qrun.convert.forward import empty_layer
 from qrun.convert.job import ConvertError, atomic_save
 from qrun.loader import LAYER_TENSOR
-
-
-_LAYER_PARTS = ("input_layernorm.weight", "post_attention_layernorm.weight",
-                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-
-
-def layer_tensor_names(config: ModelConfig) -> set[str]:
-    """Names (within a layer) every decoder layer of `config` has."""
-    names = set(_LAYER_PARTS)
-    if config.attention_bias:
-        names |= {f"self_attn.{p}_proj.bias" for p in "qkv"}
-    if config.mlp_bias:
-        names |= {f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")}
-    return names
 
 
 def split_source(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, folder: Path,
@@ -37,7 +23,8 @@ def split_source(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfi
     """Stream the source's tensors into one float32 safetensors file per decoder layer plus
     `other.safetensors`, so later stages read one layer at a time."""
     num_layers = config.num_layers
-    expected = layer_tensor_names(config)
+    # What build_layer loads: a layer with all of it is complete and can leave memory.
+    expected = set(empty_layer(config).state_dict())
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
     other: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
@@ -51,7 +38,7 @@ def split_source(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfi
         per_layer.setdefault(index, {})[rest] = tensor.float().contiguous()
         if progress:
             progress(name)
-        if expected <= set(per_layer[index]):  # a complete layer goes to disk at once
+        if expected <= set(per_layer[index]):
             atomic_save(per_layer.pop(index), folder / f"layer_{index:04d}.safetensors")
     for index, tensors_ in per_layer.items():
         atomic_save(tensors_, folder / f"layer_{index:04d}.safetensors")

@@ -1,5 +1,6 @@
-"""The packed weight format (runtime-owned; the converter writes it): bit packing of quantized
-weights and the exact bit accounting of a quantized matrix.
+"""The packed weight format (runtime-owned; the converter writes it): the linears of a decoder
+layer and the inputs they share, bit packing of quantized weights and the exact bit accounting
+of a quantized matrix.
 
 The layout is specified in docs/FORMAT.md; this module is its reference implementation.
 
@@ -31,6 +32,18 @@ READABLE_VERSIONS = (2, 3)  # version 2 is version 3 without rotated matrices
 BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
 DEFAULT_HEAD_BITS = 6  # lm_head's bits when `qrun convert` is not told (--head-bits)
 CHUNK = 32  # rows packed together: 32 values of b bits fill exactly b words
+
+# A decoder layer's linears, named as in checkpoints (within `layers.{i}.`), by the input each
+# reads, inputs and linears in forward order. The linears of one input are quantized as one
+# matrix: one Hessian, one candidate and, when rotated, one set of signs, which is what lets the
+# loader rotate that input once for all of them.
+LAYER_INPUTS: dict[str, tuple[str, ...]] = {
+    "attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn_out": ("self_attn.o_proj",),
+    "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp_out": ("mlp.down_proj",),
+}
+LAYER_LINEARS = tuple(name for names in LAYER_INPUTS.values() for name in names)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qrun.format import FORMAT_VERSION, READABLE_VERSIONS, MatrixLayout
+from qrun.format import FORMAT_VERSION, LAYER_INPUTS, READABLE_VERSIONS, MatrixLayout
 from qrun.errors import ModelLoadError
 from qrun.kernels import backend, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
@@ -263,8 +263,10 @@ class InputRotation(nn.Module):
         return rotate(x, self.signs)
 
 
-# The model's input slots (an nn.Identity until shared) and the linears that read each.
-SHARED_INPUTS = {"qkv_input": ("q_proj", "k_proj", "v_proj"), "gate_up_input": ("gate_proj", "up_proj")}
+# The model's input slots (an nn.Identity until shared) and the linears that read each, named
+# within the slot's module.
+SHARED_INPUTS = {slot: tuple(name.rpartition(".")[2] for name in LAYER_INPUTS[layer_input])
+                 for slot, layer_input in (("qkv_input", "attn_in"), ("gate_up_input", "mlp_in"))}
 
 
 def share_input_rotations(model: nn.Module) -> None:

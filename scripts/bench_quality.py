@@ -41,13 +41,13 @@ def held_out() -> list[str]:
 def fake_quant_rtn(ref_name: str, bits: int) -> tuple[object, float]:
     """The original model with every decoder linear replaced by its RTN reconstruction."""
     from qrun.convert.gptq import Candidate, rtn_quantize
+    from qrun.format import LAYER_LINEARS
     from qrun.loader import load_model
 
     loaded = load_model(ref_name, dtype="float32", device="cpu", fuse_projections=False)
     total_bits = total_weights = 0
     for layer in loaded.model.layers:
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        for name in LAYER_LINEARS:
             lin = layer.get_submodule(name)
             qm = rtn_quantize(lin.weight.data, Candidate(128, ((bits, 1.0),)))
             lin.weight.data = qm.dequantized()
