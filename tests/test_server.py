@@ -23,6 +23,7 @@ from qrun.async_llm import AsyncLLM  # noqa: E402
 from qrun.llm import LLM  # noqa: E402
 from qrun.sampling_params import SamplingParams  # noqa: E402
 from qrun.server import build_app  # noqa: E402
+from qrun.server.protocol import MAX_N, SEED_MAX  # noqa: E402
 
 ENGINE_ARGS = dict(device="cpu", kv_cache_memory=4_000_000, max_num_seqs=64, max_num_batched_tokens=512)
 PROMPTS = [f"prompt {i}: the {'quick ' * (i % 5)}brown fox" for i in range(32)]
@@ -90,6 +91,16 @@ def request(url: str, path: str, body: dict | None = None, headers: dict | None 
         raw, status, hdrs = err.read(), err.code, err.headers
     text = raw.decode()
     return status, hdrs, (json.loads(text) if text.startswith("{") else {"text": text})
+
+
+def post_raw(url: str, path: str, raw: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    """(status, parsed body) of a POST whose body is `raw` as is, for bodies no dict can be."""
+    req = urllib.request.Request(url + path, data=raw, headers={"Content-Type": content_type})
+    try:
+        with NO_PROXY.open(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -252,12 +263,10 @@ def test_bad_nested_and_dependent_fields_are_400_naming_the_field(url, path, bod
                                                (b"\xff\xfe", "application/json"), (b"", "application/json"),
                                                (b'{"prompt": "x"}', "text/plain")])
 def test_a_body_that_is_no_json_object_is_400_in_openai_shape(url, raw, content_type):
-    req = urllib.request.Request(url + "/v1/completions", data=raw, headers={"Content-Type": content_type})
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        NO_PROXY.open(req, timeout=30)
-    assert caught.value.code == 400
-    error = json.loads(caught.value.read())["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] is None and "body" in error["message"]
+    status, reply = post_raw(url, "/v1/completions", raw, content_type)
+    error = reply["error"]
+    assert status == 400 and error["type"] == "invalid_request_error" and error["param"] is None
+    assert "body" in error["message"]
 
 
 def test_null_fields_take_their_defaults_and_the_largest_values_are_served(url):
@@ -266,8 +275,8 @@ def test_null_fields_take_their_defaults_and_the_largest_values_are_served(url):
     assert status == 200 and reply["usage"]["completion_tokens"] == 2
     # top_k beyond any vocabulary (or int64) and the largest seed, with n choices seeded seed + i.
     status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": 2**70,
-                                                        "seed": 2**63 - 2**10, "n": 16})
-    assert status == 200 and len(reply["choices"]) == 16
+                                                        "seed": SEED_MAX, "n": MAX_N})
+    assert status == 200 and len(reply["choices"]) == MAX_N
 
 
 def test_openapi_describes_the_request_bodies(url):
@@ -290,7 +299,9 @@ def test_openapi_describes_the_request_bodies(url):
     assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
     assert schemas["ChatMessage"]["required"] == ["role"]
     n = next(s for s in schemas["CompletionRequest"]["properties"]["n"]["anyOf"] if s["type"] == "integer")
-    assert (n["minimum"], n["maximum"]) == (1, 16)
+    assert (n["minimum"], n["maximum"]) == (1, MAX_N)
+    seed = next(s for s in schemas["CompletionRequest"]["properties"]["seed"]["anyOf"] if s["type"] == "integer")
+    assert seed["maximum"] == SEED_MAX  # exact, though the schema's bounds are doubles
 
 
 def test_request_that_can_never_fit_is_400(url, llm):
@@ -312,11 +323,17 @@ def test_api_key(llm):
         assert request(base, "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
         with pytest.raises(openai.AuthenticationError):
             client(base, "wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
-        # The key is checked before the body, whatever is wrong with it.
-        assert request(base, "/v1/completions", {"prompt": 12})[0] == 401
         got = client(base, "sekret").completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert got.usage.completion_tokens >= 1
         assert request(base, "/health")[0] == 200
+
+
+def test_the_api_key_is_checked_before_the_body(llm):
+    with live_server(build_app(llm, api_key="sekret", model_name=MODEL)) as base:
+        assert request(base, "/v1/completions", {"prompt": 12})[0] == 401
+        assert post_raw(base, "/v1/chat/completions", b"{not json")[0] == 401
+        status, _, reply = request(base, "/v1/completions", {"prompt": 12}, {"Authorization": "Bearer sekret"})
+        assert status == 400 and reply["error"]["param"] == "prompt"
 
 
 def test_queue_full_is_429(tiny_llama_dir):
