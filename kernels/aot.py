@@ -102,25 +102,33 @@ class Site:
 
 def attention_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
     """Decode (one query per sequence) and prefill, with every split count the split-K
-    heuristic can choose, each over the launcher's tile candidates."""
+    heuristic can choose, each over the launcher's tile candidates; over int8 and int4 caches
+    with and without split-K (the split count is no constexpr, only whether there is one)."""
+    from qrun.kernels.kv_quant import kv_group_size, storage_dtype
     from qrun.kernels.paged_attention import MAX_KV_SPLITS, attention_tile_candidates, paged_attention_launches
 
     num_seqs, max_seq_len = 4, 4096
-    cache = _meta(64, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, dtype=dtype)
+    cache_shape = (64, BLOCK_SIZE, shape.num_kv_heads)
+    caches = {"": (_meta(*cache_shape, shape.head_dim, dtype=dtype), None)}
+    for bits in (8, 4):
+        caches[f", int{bits} cache"] = (
+            _meta(*cache_shape, shape.head_dim * bits // 8, dtype=storage_dtype(bits)),
+            _meta(*cache_shape, shape.head_dim // kv_group_size(shape.head_dim, bits), 2))
     tables = _meta(num_seqs, max_seq_len // BLOCK_SIZE, dtype=torch.int32)
     seq_lens, starts = _meta(num_seqs, dtype=torch.int32), _meta(num_seqs + 1, dtype=torch.int32)
     for phase, tokens in (("decode", num_seqs), ("prefill", 512)):
         q = _meta(tokens, shape.num_heads, shape.head_dim, dtype=dtype)
         max_query_len = 1 if phase == "decode" else tokens
-        splits = 1
-        while splits <= MAX_KV_SPLITS:
-            yield Site(f"{phase}, {splits} split{'s' * (splits > 1)}", [
-                paged_attention_launches(q, cache, cache, tables, seq_lens, starts, max_query_len, max_seq_len,
-                                         shape.head_dim ** -0.5, torch.empty_like(q), sms=1, tiles=tiles,
-                                         num_splits=splits)
-                for tiles in attention_tile_candidates(shape.head_dim, shape.num_heads // shape.num_kv_heads,
-                                                       max_query_len)])
-            splits *= 2
+        for cache_name, (cache, scales) in caches.items():
+            splits = 1
+            while splits <= (MAX_KV_SPLITS if scales is None else 2):
+                yield Site(f"{phase}{cache_name}, {splits} split{'s' * (splits > 1)}", [
+                    paged_attention_launches(q, cache, cache, tables, seq_lens, starts, max_query_len, max_seq_len,
+                                             shape.head_dim ** -0.5, torch.empty_like(q), scales, scales, sms=1,
+                                             tiles=tiles, num_splits=splits)
+                    for tiles in attention_tile_candidates(shape.head_dim, shape.num_heads // shape.num_kv_heads,
+                                                           max_query_len)])
+                splits *= 2
 
 
 def linear_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
@@ -141,6 +149,7 @@ def linear_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
 
 def elementwise_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
     from qrun.kernels.cache_ops import store_kv_launches
+    from qrun.kernels.kv_quant import kv_group_size, storage_dtype
     from qrun.kernels.norm import rms_norm_launches
     from qrun.kernels.rotary import apply_rotary_launches
 
@@ -154,7 +163,12 @@ def elementwise_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
     yield Site("rotary", [apply_rotary_launches(q, k, _meta(tokens, dtype=torch.int64),
                                                 _meta(4096, shape.head_dim, dtype=torch.float32))])
     cache = _meta(64, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, dtype=dtype)
-    yield Site("store_kv", [store_kv_launches(k, k, cache, cache, _meta(tokens, dtype=torch.int64))])
+    slots = _meta(tokens, dtype=torch.int64)
+    yield Site("store_kv", [store_kv_launches(k, k, cache, cache, slots)])
+    for bits in (8, 4):
+        data = _meta(64, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim * bits // 8, dtype=storage_dtype(bits))
+        scales = _meta(64, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim // kv_group_size(shape.head_dim, bits), 2)
+        yield Site(f"store_kv, int{bits} cache", [store_kv_launches(k, k, data, data, slots, scales, scales)])
 
 
 def all_sites() -> Iterator[Site]:
@@ -272,14 +286,12 @@ def _cached_compile(jobs: dict[str, tuple[Target, str, tuple]], workers: int) ->
             results[key] = Compiled(**{**stored, "where": job[1], "chosen": False})
         else:
             todo[key] = (job, path)
-    if todo:
-        jobs_left = [job for job, _ in todo.values()]
-        if workers == 1 or len(jobs_left) == 1:
-            done = [compile_one(job) for job in jobs_left]
-        else:
-            with ProcessPoolExecutor(min(workers, len(jobs_left))) as pool:
-                done = list(pool.map(compile_one, jobs_left, chunksize=2))
-        for (key, (_, path)), result in zip(todo.items(), done):
+    if not todo:
+        return results
+    jobs_left = [job for job, _ in todo.values()]
+    with ProcessPoolExecutor(max(1, min(workers, len(jobs_left)))) as pool:
+        # Stored as each finishes (map yields in order), so an interrupted run keeps its work.
+        for (key, (_, path)), result in zip(todo.items(), pool.map(compile_one, jobs_left, chunksize=2)):
             results[key] = result
             atomic_write_text(path, json.dumps(asdict(result)))
     return results
@@ -350,9 +362,10 @@ def markdown(report: Report) -> str:
     lines = ["# Triton kernels compiled for real GPUs", "",
              "Generated by `python -m qrun.kernels.aot --markdown docs/KERNELS.md`; do not edit by hand.",
              "Every launch the launchers can make for the model shapes in `kernels/aot.py` (SmolLM2,",
-             "Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, head_dim 64/80/128/256), fp16 and bf16, compiled by",
-             "Triton for each target on a machine without a GPU and measured with `ptxas -v`. *run*: the",
-             "variants a launcher would run there (the first that fits, or all that fit when autotuned);",
+             "Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, head_dim 64/80/128/256), fp16 and bf16 with float,",
+             "int8 and int4 KV caches, compiled by Triton for each target on a machine without a GPU and",
+             "measured with `ptxas -v`. *run*: the variants a launcher would run there (the first that",
+             "fits, or all that fit when autotuned);",
              "*passed over*: variants compiled but rejected on that target for spilling registers or",
              "exceeding shared memory.", "",
              "| kernel | target | run | max registers | max spill bytes | max shared memory | limit | passed over |",

@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from qrun.kernels.dtype import cast
+from qrun.kernels.kv_quant import dequantize_kv_ref
 
 
 @dataclass
 class _DecodeGroup:
     """Decoding sequences of similar context length, attended together padded to the longest."""
 
-    rows: torch.Tensor  # [b] query rows (one per sequence)
+    rows: torch.Tensor | None  # [b] query rows (one per sequence); None: every row of the step, in order
     blocks: torch.Tensor  # [b * w] their first w blocks, sequence by sequence
     length: int  # w * block_size
     mask: torch.Tensor | None  # [b, 1, 1, length] True where a key exists; None when none is padding
@@ -82,13 +83,16 @@ def _decode_groups(decodes: list[int], lens: list[int], block_tables: torch.Tens
         real = lens[s]
     groups = []
     for group in members:
-        width = -(-lens[group[0]] // block_size)
+        width = -(-lens[group[0]] // block_size)  # the longest comes first
+        group.sort(key=lambda s: query_rows[s])  # in row order a group of every row needs no gather
         length = width * block_size
         index = torch.tensor(group, dtype=torch.long, device=device)
         group_lens = torch.tensor([lens[s] for s in group], device=device)
         full = all(lens[s] == length for s in group)
         mask = None if full else (torch.arange(length, device=device)[None, :] < group_lens[:, None])[:, None, None, :]
-        groups.append(_DecodeGroup(torch.tensor([query_rows[s] for s in group], dtype=torch.long, device=device),
+        rows = [query_rows[s] for s in group]
+        every_row = rows == list(range(query_rows[-1]))
+        groups.append(_DecodeGroup(None if every_row else torch.tensor(rows, dtype=torch.long, device=device),
                                    block_tables[index, :width].flatten().long(), length, mask))
     return groups
 
@@ -122,16 +126,24 @@ def _attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     return plan
 
 
-def _compute_dtype(cache: torch.Tensor) -> torch.dtype:
+def _compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
     # torch's CPU attention is slower in bfloat16 than in float32 (decode at batch 1: 1.7x), more
     # than the cast of the gathered K/V costs: on the CPU a half-precision cache computes in float32.
-    return torch.float32 if cache.device.type == "cpu" else cache.dtype
+    if cache.device.type == "cpu":
+        return torch.float32
+    return cache.dtype if cache.is_floating_point() else q.dtype
 
 
-def _context(cache: torch.Tensor, blocks: torch.Tensor, sequences: int, length: int) -> torch.Tensor:
-    """K or V of `sequences` sequences through their blocks, head-major: [sequences, Hkv, length, D]."""
+def _context(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, sequences: int,
+             length: int, dtype: torch.dtype) -> torch.Tensor:
+    """K or V of `sequences` sequences through their blocks, in `dtype`, head-major:
+    [sequences, Hkv, length, D]."""
     gathered = cache.index_select(0, blocks)
-    return gathered.view(sequences, -1, *cache.shape[2:]).transpose(1, 2)[:, :, :length]
+    if scales is None:
+        gathered = cast(gathered, dtype)
+    else:
+        gathered = dequantize_kv_ref(gathered, scales.index_select(0, blocks), dtype)
+    return gathered.view(sequences, -1, *gathered.shape[2:]).transpose(1, 2)[:, :, :length]
 
 
 def paged_attention_ref(
@@ -145,23 +157,31 @@ def paged_attention_ref(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: decodes in a few batched groups of similar length, prefill chunks one by one."""
-    if out is None:
-        out = torch.empty_like(q)
+    """Torch reference: decodes in a few batched groups of similar length, prefill chunks one by
+    one. With scales the cache is quantized (`kernels/kv_quant.py`) and read dequantized."""
     plan = _attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    dtype = _compute_dtype(k_cache)
+    dtype = _compute_dtype(q, k_cache)
     queries = cast(q, dtype)
     for group in plan.decode_groups:
-        b = len(group.rows)
-        k = cast(_context(k_cache, group.blocks, b, group.length), dtype)
-        v = cast(_context(v_cache, group.blocks, b, group.length), dtype)
-        attended = F.scaled_dot_product_attention(queries[group.rows].unsqueeze(2), k, v, attn_mask=group.mask,
-                                                  scale=scale, enable_gqa=True)
-        out[group.rows] = cast(attended.squeeze(2), out.dtype)
+        group_queries = queries if group.rows is None else queries[group.rows]
+        b = group_queries.shape[0]
+        k = _context(k_cache, k_scales, group.blocks, b, group.length, dtype)
+        v = _context(v_cache, v_scales, group.blocks, b, group.length, dtype)
+        attended = cast(F.scaled_dot_product_attention(group_queries.unsqueeze(2), k, v, attn_mask=group.mask,
+                                                       scale=scale, enable_gqa=True).squeeze(2), q.dtype)
+        if group.rows is None and out is None:  # the whole step in one group: no scatter
+            return attended
+        if out is None:
+            out = torch.empty_like(q)
+        out[slice(None) if group.rows is None else group.rows] = attended
+    if out is None:
+        out = torch.empty_like(q)
     for chunk in plan.prefills:
-        k = cast(_context(k_cache, chunk.blocks, 1, chunk.length), dtype)
-        v = cast(_context(v_cache, chunk.blocks, 1, chunk.length), dtype)
+        k = _context(k_cache, k_scales, chunk.blocks, 1, chunk.length, dtype)
+        v = _context(v_cache, v_scales, chunk.blocks, 1, chunk.length, dtype)
         attended = F.scaled_dot_product_attention(queries[chunk.rows].transpose(0, 1).unsqueeze(0), k, v,
                                                   attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
                                                   enable_gqa=True)
@@ -172,6 +192,7 @@ def paged_attention_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from qrun.kernels.kv_quant import bits_of, load_dequantized  # noqa: E402
 from qrun.kernels.launch import Launch, fits_device, gpu_options, is_interpreted, sm_count  # noqa: E402
 
 _LOG2E = 1.4426950408889634
@@ -194,12 +215,15 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     num_seqs, scale_log2, tiles_per_split,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh,
     stride_bt,
     stride_ot, stride_oh,
     stride_pat, stride_pah, stride_pas,
@@ -207,7 +231,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, QPK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_BITS: tl.constexpr, KV_GROUP: tl.constexpr,
 ):
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -252,10 +276,19 @@ def _paged_attn_kernel(
         block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         in_block = key_pos % BLOCK_SIZE
         kv_mask = key_valid[None, :] & dim_valid[:, None]
-        k_offs = block[None, :] * stride_kb + in_block[None, :] * stride_kt + kv_head * stride_kh + dims[:, None]
-        k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0)  # [D, BLOCK_N]
-        v_offs = block[:, None] * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
-        v = tl.load(v_cache_ptr + v_offs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, D]
+        k_base = block[None, :] * stride_kb + in_block[None, :] * stride_kt + kv_head * stride_kh
+        v_base = block[:, None] * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh
+        if KV_BITS == 0:
+            k = tl.load(k_cache_ptr + k_base + dims[:, None], mask=kv_mask, other=0.0)  # [D, BLOCK_N]
+            v = tl.load(v_cache_ptr + v_base + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
+                        other=0.0)  # [BLOCK_N, D]
+        else:  # dequantized in float32, then in q's dtype for the dot
+            k_scale_base = block[None, :] * stride_ksb + in_block[None, :] * stride_kst + kv_head * stride_ksh
+            v_scale_base = block[:, None] * stride_vsb + in_block[:, None] * stride_vst + kv_head * stride_vsh
+            k = load_dequantized(k_cache_ptr, k_scales_ptr, k_base, k_scale_base, dims[:, None], kv_mask,
+                                 KV_BITS, KV_GROUP).to(q.dtype)
+            v = load_dequantized(v_cache_ptr, v_scales_ptr, v_base, v_scale_base, dims[None, :],
+                                 key_valid[:, None] & dim_valid[None, :], KV_BITS, KV_GROUP).to(q.dtype)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -375,6 +408,8 @@ def paged_attention_launches(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     *,
     sms: int,
     fits: Callable[[Launch], bool] | None = None,
@@ -390,7 +425,7 @@ def paged_attention_launches(
         for tiles in candidates:
             launches = paged_attention_launches(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
-                out, sms=sms, fits=fits, tiles=tiles, num_splits=num_splits)
+                out, k_scales, v_scales, sms=sms, fits=fits, tiles=tiles, num_splits=num_splits)
             if fits is None or all(fits(launch) for launch in launches):
                 return launches
         return launches
@@ -414,14 +449,17 @@ def paged_attention_launches(
         part_acc = part_ml = out  # unused
         pa_strides = pm_strides = (0, 0, 0)
 
+    quantized = k_scales is not None
+    ks, vs = (k_scales, v_scales) if quantized else (k_cache, v_cache)  # unread for a float cache
     launches = [Launch(
         _paged_attn_kernel, (slots, num_kv_heads, splits),
-        (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        (q, k_cache, v_cache, ks, vs, block_tables, seq_lens, query_start_loc,
          out, part_acc, part_ml,
          num_seqs, scale * _LOG2E, tiles_per_split,
          q.stride(0), q.stride(1),
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         *(ks.stride()[:3] if quantized else (0, 0, 0)), *(vs.stride()[:3] if quantized else (0, 0, 0)),
          block_tables.stride(0),
          out.stride(0), out.stride(1),
          *pa_strides, *pm_strides),
@@ -429,7 +467,9 @@ def paged_attention_launches(
              BLOCK_SIZE=block_size, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m,
              BLOCK_N=tiles.block_n, SPLIT_K=splits > 1, DOT_F32=dot_f32,
              # fp32 caches get exact fp32 products, not TF32 (which would cost ~3 digits).
-             PRECISION="ieee" if q.dtype == torch.float32 else "tf32"),
+             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+             KV_BITS=bits_of(k_cache) if quantized else 0,
+             KV_GROUP=head_dim // k_scales.shape[-2] if quantized else head_dim),
         gpu_options(_paged_attn_kernel, num_warps=4, num_stages=2),
     )]
     if splits > 1:
@@ -454,6 +494,8 @@ def paged_attention_triton(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton flash attention over the paged cache; same contract as `paged_attention_ref`."""
     if out is None:
@@ -467,6 +509,6 @@ def paged_attention_triton(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
     for launch in paged_attention_launches(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, out,
-            sms=sm_count(q.device), fits=lambda launch: fits_device(launch, q.device)):
+            k_scales, v_scales, sms=sm_count(q.device), fits=lambda launch: fits_device(launch, q.device)):
         launch.run()
     return out

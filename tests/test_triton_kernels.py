@@ -60,6 +60,7 @@ import triton.language as tl  # noqa: E402
 import qrun.kernels as kernels  # noqa: E402
 import qrun.kernels.cache_ops as cache_ops  # noqa: E402
 import qrun.kernels.dequant_matmul as dm  # noqa: E402
+import qrun.kernels.kv_quant as kv_quant  # noqa: E402
 import qrun.kernels.norm as norm  # noqa: E402
 import qrun.kernels.paged_attention as pa  # noqa: E402
 from qrun.kernels.launch import sm_count  # noqa: E402
@@ -199,6 +200,14 @@ def test_attention_non_power_of_two_head_dim_and_strided_q():
                      strided_q=True)
 
 
+def test_attention_decode_group_out_of_length_order():
+    # One batched decode group whose rows are not sorted by length (the longest in the middle).
+    _check_attention([(27, 1), (29, 1), (28, 1)], num_kv_heads=2, qpk=3, head_dim=64, block_size=BS,
+                     dtype=torch.float32, seed=42)
+    _check_attention([(27, 1), (29, 1), (0, 5), (28, 1)], num_kv_heads=2, qpk=3, head_dim=64, block_size=BS,
+                     dtype=torch.float32, seed=43)
+
+
 def test_attention_allocates_out_when_none():
     _check_attention([(5, 3), (20, 1)], num_kv_heads=1, qpk=1, head_dim=64, block_size=BS,
                      dtype=torch.float32, seed=41, use_out=False)
@@ -223,6 +232,78 @@ def test_attention_split_k_heuristic():
     assert pa.num_kv_splits(10_000, 700, 64, sms) == 1  # a full GPU never splits
     assert pa.num_kv_splits(programs, 64, 64, sms) == 1  # nor does a short context
     _check_attention([(699, 1)], num_kv_heads=1, qpk=3, head_dim=64, block_size=32, dtype=torch.bfloat16, seed=60)
+
+
+# ----------------------------------------------------------------------------- quantized cache
+
+
+def _quantized(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv_quant.quantize_kv_ref(cache, bits, kv_quant.kv_group_size(cache.shape[-1], bits))
+
+
+def _check_quantized_attention(specs, bits, head_dim, qpk=3, dtype=torch.float16, seed=0):
+    """Attention over a quantized cache: the reference equals attention over the dequantized
+    values (so quantization is all it adds), and the kernel matches the reference. Scales of
+    slots no sequence owns are NaN for the kernel, which must not read them."""
+    args, ref_args = _attention_batch(specs, 2, qpk, head_dim, BS, torch.float32, seed)
+    q, k_float, v_float = ref_args[:3]
+    (k_data, k_scales), (v_data, v_scales) = _quantized(k_float, bits), _quantized(v_float, bits)
+    meta = ref_args[3:]
+    dequantized = [kv_quant.dequantize_kv_ref(d, s, torch.float32) for d, s in ((k_data, k_scales), (v_data, v_scales))]
+    expected = pa.paged_attention_ref(q, *dequantized, *meta)
+    got_ref = pa.paged_attention_ref(q, k_data, v_data, *meta, k_scales=k_scales, v_scales=v_scales)
+    torch.testing.assert_close(got_ref, expected, rtol=1e-6, atol=1e-6)
+    unread = torch.isnan(args[1].float()).any(-1).any(-1)  # [blocks, block_size]
+    poisoned = [s.masked_fill(unread[:, :, None, None, None], float("nan")) for s in (k_scales, v_scales)]
+    got = pa.paged_attention_triton(q.to(dtype).to(DEVICE), k_data.to(DEVICE), v_data.to(DEVICE),
+                                    *[t.to(DEVICE) for t in meta[:3]], *meta[3:],
+                                    k_scales=poisoned[0].to(DEVICE), v_scales=poisoned[1].to(DEVICE))
+    _close(got.cpu(), expected, ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_quantized_attention_decode_prefill_and_prefix(bits, head_dim):
+    specs = [(299, 1), (0, 19), (BS - 1, 1), (40, 33), (BS, 1)]
+    _check_quantized_attention(specs, bits, head_dim, seed=80 + bits + head_dim)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_attention_split_k(monkeypatch, bits):
+    monkeypatch.setattr(pa, "num_kv_splits", lambda *heuristic_inputs: 4)
+    _check_quantized_attention([(299, 1), (60, 20), (0, 1)], bits, 64, qpk=7, dtype=torch.bfloat16, seed=90 + bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_quantized_store_kv_matches_reference_bit_for_bit(bits, head_dim):
+    gen = torch.Generator().manual_seed(100 + bits + head_dim)
+    num_blocks, block_size, heads, tokens = 5, 16, 3, 29
+    qkv = (torch.randn(tokens, heads * 3, head_dim, generator=gen) * 4).to(torch.float16)
+    k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]  # strided, as split from a fused QKV
+    k[0, 0] = 1.5  # a group of equal values: the smallest step, not a division by zero
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    group = kv_quant.kv_group_size(head_dim, bits)
+
+    def empty_cache():
+        data = torch.zeros(num_blocks, block_size, heads, head_dim * bits // 8, dtype=kv_quant.storage_dtype(bits))
+        return data, data.clone(), *[torch.zeros(num_blocks, block_size, heads, head_dim // group, 2,
+                                                 dtype=kv_quant.SCALE_DTYPE) for _ in range(2)]
+
+    expected, got = empty_cache(), [t.to(DEVICE) for t in empty_cache()]
+    cache_ops.store_kv_ref(k, v, *expected[:2], slots, *expected[2:])
+    cache_ops.store_kv_triton(k.to(DEVICE), v.to(DEVICE), *got[:2], slots.to(DEVICE), *got[2:])
+    for g, e in zip(got, expected):
+        if ON_GPU:  # the GPU divides approximately: a value may land one step over
+            assert (g.cpu().float() - e.float()).abs().max() <= (1 if g.dtype != kv_quant.SCALE_DTYPE else 1e-3)
+        else:
+            assert torch.equal(g.cpu(), e)
+    k_back = kv_quant.dequantize_kv_ref(expected[0].view(-1, heads, head_dim * bits // 8)[slots],
+                                        expected[2].view(-1, heads, head_dim // group, 2)[slots], torch.float32)
+    groups = k.float().unflatten(-1, (-1, group))
+    step = (groups.amax(-1) - groups.amin(-1)) / 15 if bits == 4 else groups.abs().amax(-1) / 127
+    # half a step of rounding, plus the float16 rounding of the scale over up to 127 steps
+    assert ((k_back - k.float()).abs().unflatten(-1, (-1, group)).amax(-1) <= step * 0.6 + 1e-3).all()
 
 
 # ----------------------------------------------------------------------------- store_kv
@@ -310,6 +391,28 @@ def test_apply_rotary(head_dim, dtype):
     _close(got_q.cpu(), expected_q, TOL[dtype])
     _close(got_k.cpu(), expected_k, TOL[dtype])
     assert torch.equal(q_dev.cpu(), q) and torch.equal(k_dev.cpu(), k)  # inputs untouched
+
+
+def test_rotary_reference_follows_each_steps_positions():
+    """The reference reuses a step's cos/sin tables across layers: a new positions tensor, even
+    with the same values or after the old one is freed, must never see another step's tables."""
+    head_dim = 64
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)).tolist()
+    cos_sin = rotary.rotary_cos_sin(inv_freq, 64, "cpu")
+    q, k = torch.randn(3, 4, head_dim), torch.randn(3, 2, head_dim)
+
+    def closed_form(x, positions):
+        angles = positions.float()[:, None, None] * torch.tensor(inv_freq)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()], dim=-1)
+
+    for step in range(4):
+        positions = torch.tensor([step, 10 + step, 40 - step])
+        for _ in range(2):  # two layers of one step
+            got_q, got_k = rotary.apply_rotary_ref(q, k, positions, cos_sin)
+            torch.testing.assert_close(got_q, closed_form(q, positions), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_k, closed_form(k, positions), atol=1e-5, rtol=1e-5)
+        del positions
 
 
 # ----------------------------------------------------------------------------- dequant_matmul
