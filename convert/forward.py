@@ -14,6 +14,7 @@ from qrun.config import ModelConfig
 from qrun.convert.gptq import HessianAccumulator
 from qrun.format import LAYER_INPUTS, LAYER_LINEARS
 from qrun.kernels import ops_for
+from qrun.kv_cache import LayerKV
 from qrun.model import AttentionMetadata, DecoderLayer
 
 # The units the converter gives one candidate each, by the layer inputs (qrun/format.py) of their linears.
@@ -79,7 +80,7 @@ class LayerRunner:
         """Attention heads on normed input h [r, L, H] -> o_proj's input [r, L, heads * head_dim]."""
         r = h.shape[0]
         meta, positions, kc, vc = self._meta(r)
-        out = layer.self_attn.heads(h.reshape(r * self.row_len, -1), positions, self.cos_sin, meta, kc, vc)
+        out = layer.self_attn.heads(h.reshape(r * self.row_len, -1), positions, self.cos_sin, meta, LayerKV(kc, vc))
         return out.view(r, self.row_len, -1)
 
     def attention(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from qrun.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qrun.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -191,12 +194,11 @@ def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
 
 # -- roofline and background load ------------------------------------------------------------
 
-def decode_step_bytes(model, context: int, cache_dtype) -> int:
+def decode_step_bytes(model, context: int, cache: "KVCacheSpec") -> int:
     """Bytes a batch-1 decode step of `model` reads: every tensor its forward touches (the
     embedding: one row; a quantized linear: the form it runs, not the packed file tensors),
     plus the K/V of `context` tokens."""
     from qrun.cpu_gemv import HalfGemvLinear
-    from qrun.memory_plan import kv_bytes_per_token
     from qrun.quant import CpuQuantMatmul, QuantLinear
 
     def tensors(module) -> list:
@@ -221,7 +223,7 @@ def decode_step_bytes(model, context: int, cache_dtype) -> int:
     if getattr(head, "weight", None) is not model.embed_tokens.weight or isinstance(head, HalfGemvLinear):
         tables.append(model.embed_tokens.weight)
     total -= sum(nbytes(t) - nbytes(t[0]) for t in tables)
-    return total + context * kv_bytes_per_token(model.config, cache_dtype)
+    return total + context * cache.bytes_per_token(model.config)
 
 
 def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -30,6 +30,7 @@ HELP = """\
 /reset             forget the conversation (the system prompt stays)
 /system TEXT       set the system prompt (empty TEXT removes it)
 /set k=v ...       change sampling, e.g. /set temperature=0.7 top_p=0.9 max_tokens=200; /set alone shows them
+/set json on|off   answers must be (or need no longer be) a JSON object
 /save FILE         write the conversation as JSON
 /load FILE         read a conversation saved by /save
 /quit              exit (Ctrl-D works too); Ctrl-C stops an answer"""
@@ -48,9 +49,16 @@ def stats_line(output: RequestOutput, elapsed: float) -> str:
 
 
 def parse_settings(params: SamplingParams, assignments: list[str]) -> SamplingParams:
-    """Apply `key=value` pairs to `params`; values are JSON (numbers, true, "text") or bare text."""
+    """Apply `key=value` pairs to `params`; values are JSON (numbers, true, "text") or bare text.
+    `json on` / `json off` switches JSON-object answers."""
     from qrun.options import SAMPLING_FIELDS
+    from qrun.sampling_params import StructuredOutputsParams
 
+    if assignments[:1] == ["json"]:
+        if assignments[1:] not in (["on"], ["off"]):
+            raise ValueError("use /set json on or /set json off")
+        json_object = StructuredOutputsParams(json_object=True) if assignments[1] == "on" else None
+        return dataclasses.replace(params, structured_outputs=json_object)
     changes: dict[str, Any] = {}
     for item in assignments:
         key, sep, raw = item.partition("=")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from qrun.errors import QrunError
 from qrun.options import (SAMPLING_FIELDS, add_engine_arguments, add_sampling_arguments, engine_args_from, load_llm,
                           parse_memory, sampling_params_from)
-from qrun.sampling_params import SamplingParams
+from qrun.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from qrun.llm import LLM
@@ -36,6 +36,8 @@ Outputs are JSON lines in input order: {"line", "id", "text", "finish_reason", "
 # Fields a batch line may carry besides its prompt: the sampling flags, plus a few
 # SamplingParams fields with no flag of their own. n and logprobs change the output shape.
 BATCH_SAMPLING_FIELDS = (*SAMPLING_FIELDS, "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+# A line's structured output, in OpenAI's shape or as a bare schema.
+BATCH_FORMAT_FIELDS = ("response_format", "json_schema")
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -77,7 +79,7 @@ def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[l
         raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
-    unknown = sorted(set(record) - {"prompt", "messages", "id", *BATCH_SAMPLING_FIELDS})
+    unknown = sorted(set(record) - {"prompt", "messages", "id", *BATCH_SAMPLING_FIELDS, *BATCH_FORMAT_FIELDS})
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r}")
     prompt, messages = record.get("prompt"), record.get("messages")
@@ -90,8 +92,15 @@ def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[l
             messages = [{"role": "user", "content": prompt}]
     if messages is not None:
         messages = chat_messages(messages)
+    fields = {k: v for k, v in record.items() if k in BATCH_SAMPLING_FIELDS}
+    if "response_format" in record and "json_schema" in record:
+        raise ValueError('give "response_format" or "json_schema", not both')
+    if "response_format" in record:
+        fields["structured_outputs"] = StructuredOutputsParams.from_response_format(record["response_format"])
+    elif "json_schema" in record:
+        fields["structured_outputs"] = StructuredOutputsParams(json=record["json_schema"])
     try:
-        params = sampling_params_from(args, **{k: v for k, v in record.items() if k in BATCH_SAMPLING_FIELDS})
+        params = sampling_params_from(args, **fields)
     except TypeError as err:  # a string where a number belongs fails SamplingParams' comparisons
         raise ValueError(f"a sampling field has the wrong type ({err})") from None
     ids = llm.tokenizer.encode_chat(messages) if messages is not None else llm.tokenizer.encode(prompt)
@@ -102,6 +111,11 @@ def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[l
     if len(ids) + params.max_tokens > limit:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                          f"{limit} tokens one request may use")
+    if params.structured_outputs is not None:
+        try:
+            llm.engine.grammar_compiler.matcher(params.structured_outputs)  # compiled once, cached for the run
+        except QrunError as err:
+            raise ValueError(str(err)) from None
     return ids, params
 
 
@@ -187,7 +201,8 @@ def run_info(args: argparse.Namespace) -> None:
 
     from qrun.llm_engine import EngineConfig, cache_budget
     from qrun.loader import load_model
-    from qrun.memory_plan import kv_blocks, kv_bytes_per_token
+    from qrun.kv_cache import KVCacheSpec
+    from qrun.memory_plan import kv_blocks
     from qrun.quant import QuantLinear
 
     if args.bits is not None or args.head_bits is not None:
@@ -214,7 +229,8 @@ def run_info(args: argparse.Namespace) -> None:
             bits += p.numel() * p.element_size() * 8
     max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
     budget = cache_budget(config.kv_cache_memory, loaded.device)
-    kv_tokens = config.block_size * kv_blocks(budget, mc, loaded.dtype, config.block_size, config.max_num_seqs, max_len)
+    cache = KVCacheSpec.parse(config.kv_cache_dtype, loaded.dtype)
+    kv_tokens = config.block_size * kv_blocks(budget, mc, cache, config.block_size, config.max_num_seqs, max_len)
 
     console = Console(highlight=False)
     table = Table(show_header=False, box=None, padding=(0, 2))
@@ -223,8 +239,8 @@ def run_info(args: argparse.Namespace) -> None:
     table.add_row("parameters", f"{params / 1e6:,.1f} M")
     table.add_row("dtype", f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}")
     table.add_row("weights", f"{_size(bits / 8)}, {bits / max(params, 1):.2f} bits per weight")
-    table.add_row("KV cache", f"{kv_tokens:,} tokens in {_size(budget)} "
-                  f"({_size(kv_bytes_per_token(mc, loaded.dtype))} per token, block {config.block_size}; "
+    table.add_row("KV cache", f"{kv_tokens:,} tokens ({cache.name}) in {_size(budget)} "
+                  f"({_size(cache.bytes_per_token(mc))} per token, block {config.block_size}; "
                   f"at most {config.max_num_seqs} sequences x {max_len} tokens)")
     qconfig = loaded.hf_config.get("quantization_config")
     if isinstance(qconfig, dict):
@@ -291,7 +307,7 @@ def run_info_plan(args: argparse.Namespace) -> None:
     dtype = {"bfloat16": torch.bfloat16}.get(args.dtype, torch.float16)
     result = plan(mc, memory, dtype=dtype, linear_bpw=linear_bpw, head_bpw=head_bpw, block_size=engine.block_size,
                   max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
-                  max_model_len=engine.max_model_len)
+                  max_model_len=engine.max_model_len, kv_cache_dtype=engine.kv_cache_dtype)
     w = result.weights
     console = Console(highlight=False)
     table = Table(show_header=False, box=None, padding=(0, 2))
@@ -311,7 +327,7 @@ def run_info_plan(args: argparse.Namespace) -> None:
                       "--max-num-batched-tokens / --max-num-seqs")
         console.print(table)
         return
-    table.add_row("KV cache", f"{result.kv_tokens:,} tokens ({str(dtype).removeprefix('torch.')}) in "
+    table.add_row("KV cache", f"{result.kv_tokens:,} tokens ({result.cache.name}) in "
                   f"{_size(result.kv_budget)}, block {result.block_size}")
     lengths = sorted({n for n in (1024, 4096, result.max_model_len) if n <= result.max_model_len})
     table.add_row("concurrent sequences", ", ".join(

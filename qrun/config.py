@@ -14,6 +14,10 @@ from qrun.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
+# What `kv_cache_dtype` may name (qrun/kv_cache.py gives each its meaning; listed here, in a
+# module without torch, so command-line help can offer them without importing it).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+
 
 @dataclass
 class ModelConfig:

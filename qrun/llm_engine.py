@@ -10,15 +10,18 @@ from dataclasses import dataclass, field
 import torch
 
 from qrun.block_manager import BlockManager
+from qrun.config import KV_CACHE_DTYPES
 from qrun.cpu_threads import CpuThreads
 from qrun.errors import QrunError, RequestError
 from qrun.loader import load_model
-from qrun.memory_plan import kv_blocks, kv_bytes_per_token
+from qrun.kv_cache import KVCacheSpec
+from qrun.memory_plan import kv_blocks
 from qrun.model_runner import ModelRunner
 from qrun.sampler import sample
 from qrun.sampling_params import SamplingParams
 from qrun.scheduler import Scheduler
 from qrun.sequence import RequestMetrics, RequestOutput, Sequence
+from qrun.structured_outputs import GrammarCompiler, Matcher
 from qrun.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("qrun")
@@ -32,6 +35,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "auto"
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     block_size: int = 16
@@ -53,6 +57,8 @@ class EngineConfig:
         if memory is not None and not (isinstance(memory, int) and memory > 1 or
                                        isinstance(memory, float) and 0 < memory <= 1):
             raise ValueError(f"kv_cache_memory={memory!r} must be a byte count (int > 1) or a fraction in (0, 1]")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 
@@ -85,6 +91,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
+    matcher: Matcher | None = None  # its grammar before any output: each completion starts from a copy
 
     @property
     def finished(self) -> bool:
@@ -111,26 +118,28 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
+        self.cache_spec = KVCacheSpec.parse(config.kv_cache_dtype, self.loaded.dtype)
         num_blocks = self._num_blocks()
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, self.cache_spec)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._seq_ids = itertools.count()
         self.num_generated_tokens = 0
+        self._grammar_compiler: GrammarCompiler | None = None
         self.cpu_threads = CpuThreads() if self.loaded.device.type == "cpu" else None
-        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", num_blocks, config.block_size,
-                 num_blocks * config.block_size,
-                 num_blocks * config.block_size * kv_bytes_per_token(model_config, self.loaded.dtype) / 2**20)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.1f MiB)", num_blocks, config.block_size,
+                 num_blocks * config.block_size, self.cache_spec.name,
+                 num_blocks * config.block_size * self.cache_spec.bytes_per_token(model_config) / 2**20)
 
     def _num_blocks(self) -> int:
         config = self.config
         budget = cache_budget(config.kv_cache_memory, self.loaded.device)
-        num_blocks = kv_blocks(budget, self.loaded.config, self.loaded.dtype, config.block_size,
+        num_blocks = kv_blocks(budget, self.loaded.config, self.cache_spec, config.block_size,
                                config.max_num_seqs, self.max_model_len)
         if num_blocks < 1:
-            per_block = kv_bytes_per_token(self.loaded.config, self.loaded.dtype) * config.block_size
+            per_block = self.cache_spec.bytes_per_token(self.loaded.config) * config.block_size
             raise QrunError(
                 f"out of cache memory: {budget} bytes hold no {config.block_size}-token KV block "
                 f"({per_block} bytes); raise kv_cache_memory or lower block_size"
@@ -172,6 +181,8 @@ class LLMEngine:
             )
         arrival = arrival_time or time.time()
         request = Request(request_id, text, ids, params, arrival)
+        if params.structured_outputs is not None:
+            request.matcher = self.grammar_compiler.matcher(params.structured_outputs)
         request.seqs.append(self._new_sequence(request, 0))
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -183,7 +194,16 @@ class LLMEngine:
         return Sequence(next(self._seq_ids), request.request_id, index, list(request.prompt_token_ids),
                         request.params, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
                         request.arrival_time, generator,
-                        logprobs=[] if request.params.logprobs is not None else None)
+                        logprobs=[] if request.params.logprobs is not None else None,
+                        matcher=None if request.matcher is None else request.matcher.copy())
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Made on the first structured-output request (wrapping the tokenizer takes ~1 s)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.to_json(), self.loaded.config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free every block it holds; unknown ids are ignored."""
@@ -212,7 +232,7 @@ class LLMEngine:
             self.block_manager.commit_computed(seq)
         if sampling:
             sampling, logits = self._fork_new_samples(sampling, logits)
-            tokens, logprobs = sample(logits, sampling, self.eos_token_ids)
+            tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._token_bitmask(sampling))
             for seq, token, lp in zip(sampling, tokens, logprobs):
                 self._append(seq, token, lp)
         touched = {seq.request_id for seq in batch.seqs}
@@ -244,6 +264,16 @@ class LLMEngine:
             return sampling, logits
         return seqs, logits[rows]
 
+    def _token_bitmask(self, sampling: list[Sequence]) -> torch.Tensor | None:
+        """The tokens each structured-output sequence may sample now; None when none has a grammar."""
+        constrained = [(row, seq) for row, seq in enumerate(sampling) if seq.matcher is not None]
+        if not constrained:
+            return None
+        bitmask = self.grammar_compiler.bitmask(len(sampling))
+        for row, seq in constrained:
+            seq.matcher.fill_bitmask(bitmask, row)
+        return bitmask
+
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         params = seq.params
         previous_len = len(seq.text)
@@ -252,8 +282,12 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         reason = None
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
+            if seq.matcher.finished:  # the grammar is complete: nothing more may follow
+                reason = "stop"
         produced = len(seq.output_token_ids)
-        if produced >= params.min_tokens:
+        if reason is None and produced >= params.min_tokens:
             if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
                 reason = "stop"
             elif params.stop_strings and self._cut_stop_string(seq, previous_len):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from qrun.config import ModelConfig
+from qrun.kv_cache import KVCacheSpec
 
 GIB = 2**30
 
@@ -60,18 +61,12 @@ def card_named(device_name: str, memory: int) -> Card | None:
     return min(matches, key=lambda card: abs(card.memory - memory), default=None)
 
 
-def kv_bytes_per_token(config: ModelConfig, cache_dtype: torch.dtype) -> int:
-    """Bytes of K and V one token keeps, over all layers."""
-    element = torch.empty(0, dtype=cache_dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
-
-
-def kv_blocks(budget: int, config: ModelConfig, cache_dtype: torch.dtype, block_size: int,
+def kv_blocks(budget: int, config: ModelConfig, cache: KVCacheSpec, block_size: int,
               max_num_seqs: int, max_model_len: int) -> int:
     """KV blocks a budget of `budget` bytes buys, capped at what every sequence slot could use
     at full context (more could never be used). May be 0: the caller decides whether that is
     an error."""
-    per_block = kv_bytes_per_token(config, cache_dtype) * block_size
+    per_block = cache.bytes_per_token(config) * block_size
     useful = max_num_seqs * -(-max_model_len // block_size)
     return max(0, min(budget // per_block, useful))
 
@@ -135,7 +130,7 @@ class MemoryPlan:
     memory: int  # the card's memory in bytes
     weights: WeightBytes
     reserve: int  # CUDA context and workspaces, plus peak activations
-    cache_dtype: torch.dtype
+    cache: KVCacheSpec
     block_size: int
     kv_budget: int  # bytes left for the KV cache
     kv_tokens: int  # what that budget holds, as the engine allocates it
@@ -154,19 +149,20 @@ class MemoryPlan:
     def decode_tokens_per_second(self, bandwidth: float, context: int) -> float:
         """Single-stream decode speed at `context` tokens if every step read its bytes (weights
         plus that context's K/V) at `bandwidth`: the roofline, an upper bound."""
-        step = self.weights.read_per_step + context * kv_bytes_per_token(self.config, self.cache_dtype)
+        step = self.weights.read_per_step + context * self.cache.bytes_per_token(self.config)
         return bandwidth / step
 
 
 def plan(config: ModelConfig, memory: int, *, dtype: torch.dtype = torch.float16, linear_bpw: float | None = None,
          head_bpw: float | None = None, block_size: int = 16, max_num_seqs: int = 64,
-         max_num_batched_tokens: int = 512, max_model_len: int | None = None) -> MemoryPlan:
-    """How `memory` bytes of a CUDA card divide between weights, reserve and KV cache (in the
-    model's dtype: the KV cache dtype the engine supports)."""
+         max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+         kv_cache_dtype: str = "auto") -> MemoryPlan:
+    """How `memory` bytes of a CUDA card divide between weights, reserve and KV cache."""
+    cache = KVCacheSpec.parse(kv_cache_dtype, dtype)
     weights = weight_bytes(config, dtype, linear_bpw, head_bpw)
     reserve = CUDA_RESERVE + activation_bytes(config, dtype, max_num_batched_tokens, max_num_seqs)
     budget = max(0, memory - weights.total - reserve)
     length = min(max_model_len or config.max_model_len, config.max_model_len)
-    blocks = kv_blocks(budget, config, dtype, block_size, max_num_seqs, length)
-    return MemoryPlan(config, memory, weights, reserve, dtype, block_size, budget, blocks * block_size,
+    blocks = kv_blocks(budget, config, cache, block_size, max_num_seqs, length)
+    return MemoryPlan(config, memory, weights, reserve, cache, block_size, budget, blocks * block_size,
                       max_num_seqs, length)

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from qrun.config import ModelConfig
 from qrun.kernels import ops_for, rotary_cos_sin
+from qrun.kv_cache import KVCache, LayerKV
 
 
 @dataclass
@@ -51,18 +52,6 @@ class AttentionMetadata:
                    max(end - start for start, end in spans), max(seq_lens))
 
 
-class KVCache:
-    """One preallocated pool of fixed-size blocks per layer, for keys and for values."""
-
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ops):
         super().__init__()
@@ -81,11 +70,11 @@ class Attention(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.heads(x, positions, cos_sin, meta, k_cache, v_cache))
+                meta: AttentionMetadata, cache: LayerKV) -> torch.Tensor:
+        return self.o_proj(self.heads(x, positions, cos_sin, meta, cache))
 
     def heads(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-              meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+              meta: AttentionMetadata, cache: LayerKV) -> torch.Tensor:
         """The attention heads' output, concatenated: o_proj's input."""
         x = self.qkv_input(x)
         if self.qkv_proj is not None:
@@ -96,11 +85,18 @@ class Attention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         q, k = self.ops.apply_rotary(q, k, positions, cos_sin)
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if cache.k_mean is not None:  # a quantized cache holds centred keys (qrun/kv_cache.py)
+            k = k - cache.k_mean
+        rotation = cache.rotation
+        if rotation is not None:  # ... rotated (qrun/kv_cache.py)
+            q, k, v = q @ rotation, k @ rotation, v @ rotation
+        self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scales, cache.v_scales)
         out = self.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_seq_len, self.scale,
+            q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, meta.max_seq_len, self.scale, None, cache.k_scales, cache.v_scales,
         )
+        if rotation is not None:
+            out = out @ rotation.T
         return out.flatten(1)
 
     def fuse_projections(self) -> None:
@@ -174,9 +170,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
+    def forward(self, x, residual, positions, cos_sin, meta, cache: LayerKV):
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, cos_sin, meta, k_cache, v_cache)
+        h = self.self_attn(h, positions, cos_sin, meta, cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -212,7 +208,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache.k[i], kv_cache.v[i])
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache.layers[i])
         x, _ = self.norm(x, residual)
         return x
 

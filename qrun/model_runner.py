@@ -6,24 +6,26 @@ import torch
 
 from qrun.cpu_gemv import GEMV_ROWS, bfloat16_only, uses_half_gemv
 from qrun.loader import LoadedModel
-from qrun.model import AttentionMetadata, KVCache
+from qrun.kv_cache import KVCache, KVCacheSpec, key_means
+from qrun.model import AttentionMetadata
 from qrun.scheduler import ScheduledBatch
 from qrun.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cache: KVCacheSpec):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
-        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        means = key_means(self.model, loaded.tokenizer) if cache.quantized else None
+        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, means)
         self.half_gemv = uses_half_gemv(self.model)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
-        for cache in (self.kv_cache.k, self.kv_cache.v):
+        for cache in self.kv_cache.tensors():
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()

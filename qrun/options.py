@@ -8,10 +8,13 @@ Imports neither torch nor the engine at module level, so `qrun --help` stays fas
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qrun.sampling_params import SamplingParams
+from qrun.config import KV_CACHE_DTYPES
+from qrun.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from qrun.llm import LLM
@@ -24,7 +27,7 @@ _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECA
 # The SamplingParams fields a command line (or a JSONL batch line) may set.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "stop", "seed", "ignore_eos")
-ENGINE_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+ENGINE_FIELDS = ("dtype", "device", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
                  "enable_prefix_caching", "max_model_len")
 
 
@@ -57,11 +60,32 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, help="seed for reproducible sampling")
     group.add_argument("--ignore-eos", action="store_true", default=None,
                        help="keep generating past the end-of-sequence token")
+    constrain = group.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", type=_json_file, metavar="FILE",
+                           help="output JSON that validates against the JSON schema in FILE")
+    constrain.add_argument("--regex", metavar="PATTERN", help="output text matching this regular expression")
+    constrain.add_argument("--choice", action="append", metavar="TEXT",
+                           help="output exactly one of these texts (repeatable)")
+
+
+def _json_file(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {err.strerror or err}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"{path} is not a JSON file: {err}") from None
 
 
 def sampling_fields_from(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags the user actually set, as SamplingParams keyword arguments."""
-    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
+    fields = {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
+    constraint = {name: getattr(args, flag) for name, flag in (("json", "json_schema"), ("regex", "regex"),
+                                                               ("choice", "choice"))
+                  if getattr(args, flag, None) is not None}
+    if constraint:
+        fields["structured_outputs"] = StructuredOutputsParams(**constraint)
+    return fields
 
 
 def sampling_params_from(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
@@ -74,6 +98,9 @@ def add_placement_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="how the KV cache stores keys and values (auto: the compute dtype); int8 holds 1.9x "
+                             "and int4 3.2x the tokens of a 16-bit cache")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

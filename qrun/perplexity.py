@@ -4,6 +4,8 @@ Each text file is tokenized without special tokens (no BOS), cut to its first --
 tokens, and split into non-overlapping windows of --ctx tokens; every window is scored on
 its own (tokens 1..n-1 predicted from their prefix inside the window). With --ref, the
 reference model scores the same windows and the mean per-token KL(ref || model) is reported.
+--kv-cache-dtype applies to the model only (the reference keeps a float cache in its compute
+dtype), so `qrun ppl M --kv-cache-dtype int4 --ref M` measures what the quantized cache loses.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qrun.errors import QrunError
 from qrun.options import add_placement_arguments
+
+if TYPE_CHECKING:
+    from qrun.kv_cache import KVCacheSpec
 
 
 class EvalError(QrunError):
@@ -38,7 +44,8 @@ def add_ppl_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_ppl(args: argparse.Namespace) -> int:
     result = evaluate(args.model, args.text, ctx=args.ctx, max_tokens=args.max_tokens, ref=args.ref,
-                      device=args.device or "auto", dtype=args.dtype or "auto")
+                      device=args.device or "auto", dtype=args.dtype or "auto",
+                      kv_cache_dtype=args.kv_cache_dtype or "auto")
     if args.json:
         print(json.dumps(result))
     else:
@@ -73,14 +80,18 @@ def _read(path: Path) -> str:
     return text
 
 
-def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """float32 log-probabilities [n, vocab] of one window (one sequence, fresh cache)."""
-    from qrun.model import AttentionMetadata, KVCache
+def window_logprobs(model, ids: torch.Tensor, kv_cache_dtype: "str | KVCacheSpec" = "auto",
+                    means: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """float32 log-probabilities [n, vocab] of one window (one sequence, fresh cache); a
+    quantized cache centres its keys by `means` (`kv_cache.key_means`)."""
+    from qrun.kv_cache import KVCache, KVCacheSpec
+    from qrun.model import AttentionMetadata
 
     n = ids.shape[0]
     device = model.cos_sin.device
-    dtype = model.embed_tokens.weight.dtype
-    cache = KVCache(model.config, 1, n, dtype, device)
+    spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else KVCacheSpec.parse(
+        kv_cache_dtype, model.embed_tokens.weight.dtype)
+    cache = KVCache(model.config, 1, n, spec, device, means)
     meta = AttentionMetadata.build([(0, n)], [[0]], n, device)  # the whole window in one block
     with torch.inference_mode():
         hidden = model(ids.to(device), torch.arange(n, device=device), meta, cache)
@@ -88,12 +99,14 @@ def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=None,
-             device: str = "auto", dtype: str = "auto", progress=None, ref_cache: dict | None = None) -> dict:
+             device: str = "auto", dtype: str = "auto", kv_cache_dtype: "str | KVCacheSpec" = "auto",
+             progress=None, ref_cache: dict | None = None) -> dict:
     """{"ppl", "kl", "tokens", "bpw", "files"}; `model`/`ref` are names or LoadedModel objects.
 
     `ref_cache` (a dict kept by the caller) holds the reference's log-probabilities per window,
     so scoring several models against one reference runs the reference once.
     """
+    from qrun.kv_cache import KVCacheSpec, key_means
     from qrun.loader import LoadedModel, load_model
 
     if ctx < 2:
@@ -109,6 +122,9 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
         if reference.config.vocab_size != loaded.config.vocab_size:
             raise EvalError(f"--ref has vocabulary {reference.config.vocab_size}, the model {loaded.config.vocab_size}")
     ctx = min(ctx, loaded.config.max_model_len)
+    spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else KVCacheSpec.parse(kv_cache_dtype,
+                                                                                           loaded.dtype)
+    means = key_means(loaded.model, loaded.tokenizer) if spec.quantized else None
     nll_sum, kl_sum, count = 0.0, 0.0, 0
     for path, body in zip(files, texts):
         ids = torch.tensor(loaded.tokenizer.encode(body, add_special_tokens=False), dtype=torch.long)
@@ -118,7 +134,7 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
             window = ids[start:start + ctx]
             if window.shape[0] < 2:
                 continue
-            logp = window_logprobs(loaded.model, window)
+            logp = window_logprobs(loaded.model, window, spec, means)
             targets = window[1:].to(logp.device)
             nll_sum += -logp[:-1].gather(1, targets[:, None]).sum().item()
             if reference is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from qrun.sequence import Sequence
+from qrun.structured_outputs import apply_bitmask
 
 # Below this a temperature only rescales float noise: treat it as greedy.
 MIN_TEMPERATURE = 1e-5
@@ -49,11 +50,15 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
-           ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """One token per row of `logits` ([B, V] float32), and its logprobs where asked for."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
+           token_bitmask: torch.Tensor | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
+    """One token per row of `logits` ([B, V] float32), and its logprobs where asked for.
+    `token_bitmask` ([B, words] int32) holds the tokens each structured-output row allows; rows
+    of sequences without a grammar are not read."""
     apply_penalties(logits, seqs)
     suppress_early_stops(logits, seqs, eos_token_ids)
+    if token_bitmask is not None:
+        apply_bitmask(logits, token_bitmask, [row for row, seq in enumerate(seqs) if seq.matcher is not None])
     device = logits.device
     params = [s.params for s in seqs]
     greedy = torch.tensor([p.temperature < MIN_TEMPERATURE for p in params], device=device)
@@ -95,6 +100,7 @@ def _logprobs(logits: torch.Tensor, params, tokens: list[int]) -> list[dict[int,
     for j, i in enumerate(rows):
         entry = {tokens[i]: float(logprobs[j, tokens[i]])}
         for k in range(params[i].logprobs):
-            entry.setdefault(int(top_ids[j, k]), float(top_values[j, k]))
+            if top_values[j, k] > float("-inf"):  # a token a grammar forbids is no alternative
+                entry.setdefault(int(top_ids[j, k]), float(top_values[j, k]))
         result[i] = entry
     return result

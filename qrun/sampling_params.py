@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 # Most alternatives per sampled token that logprobs may report (OpenAI's limit too).
@@ -19,6 +20,78 @@ class InvalidSamplingParam(ValueError):
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise InvalidSamplingParam(name, f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's shape): exactly one of a JSON schema (a dict
+    or its JSON text), any JSON object, a regex, one of a list of strings, or a grammar (Lark,
+    or GBNF as llama.cpp writes it)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidSamplingParam("structured_outputs", "structured_outputs takes exactly one of json, regex, "
+                                       f"choice, grammar, json_object; got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as err:
+                    raise InvalidSamplingParam("structured_outputs.json", f"structured_outputs.json is not JSON: {err}")
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidSamplingParam("structured_outputs.json",
+                                           "structured_outputs.json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidSamplingParam(f"structured_outputs.{name}", f"structured_outputs.{name} must be a "
+                                           "non-empty string")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidSamplingParam("structured_outputs.choice",
+                                       "structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @classmethod
+    def from_response_format(cls, value: object) -> "StructuredOutputsParams | None":
+        """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", ...}) as
+        structured outputs; None for plain text."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise InvalidSamplingParam("response_format.json_schema",
+                                           'response_format.json_schema must be {"name", "schema", "strict"}')
+            # No schema means any JSON value; OpenAI's clients always send one.
+            return cls(json=spec.get("schema", {}))
+        raise InvalidSamplingParam("response_format.type", "response_format.type must be text, json_object or "
+                                   f"json_schema, not {kind!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: json, regex, choice, grammar or json_object."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    def canonical(self) -> str:
+        """One text per distinct constraint (key order and spacing of a schema do not matter)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -39,6 +112,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +137,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in stops), "stop", self.stop, "non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []), "stop_token_ids",
                self.stop_token_ids, "non-negative token ids")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
         self.stop_strings = tuple(stops)
 
     @property

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from qrun.sampling_params import SamplingParams
 from qrun.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from qrun.structured_outputs import Matcher
 
 
 class Status(enum.Enum):
@@ -92,6 +96,7 @@ class Sequence:
     finish_time: float | None = None
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    matcher: "Matcher | None" = None  # where its structured output stands (qrun/structured_outputs.py)
 
     @property
     def token_ids(self) -> list[int]:

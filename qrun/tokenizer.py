@@ -94,6 +94,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar engines build their vocabulary from)."""
+        return self._tok.to_str()
+
     def save(self, folder: Path) -> None:
         """tokenizer.json and tokenizer_config.json, as from_folder reads them."""
         self._tok.save(str(folder / "tokenizer.json"))
@@ -104,18 +108,25 @@ class Tokenizer:
         """encode() of each text, in parallel across cores."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def encode_chat(self, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt ids of `messages` rendered by the chat template (or `template`), ready for the
         reply: what every entry point (CLI, chat, server) sends. The template writes any BOS
         itself, as Hugging Face's apply_chat_template(tokenize=True) assumes, so the tokenizer's
         own special tokens are not added (a BOS post-processor would add a second one)."""
-        return self.encode(self.apply_chat_template(messages, template=template), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, template=template, tools=tools),
+                           add_special_tokens=False)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes a `tools` list into the prompt itself."""
+        return "tools" in (self.chat_template or "")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
+                            template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """Render `messages` with the model's template (or `template`) in a jinja2 sandbox."""
         source = template or self.chat_template or FALLBACK_CHAT_TEMPLATE
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -127,7 +138,7 @@ class Tokenizer:
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
             return env.from_string(source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
         except TemplateError as err:

@@ -73,12 +73,13 @@ def uniform_measurement(measurement: Path, candidate: str, out: Path) -> float |
 
 def decode_seconds(loaded, batch: int, context: int, steps: int) -> float:
     """Mean wall time of one batched decode step (batch sequences, each `context` tokens long)."""
-    from qrun.model import AttentionMetadata, KVCache
+    from qrun.kv_cache import KVCache, KVCacheSpec
+    from qrun.model import AttentionMetadata
 
     model = loaded.model
     block = 16
     blocks_per_seq = (context + steps + block - 1) // block
-    cache = KVCache(model.config, batch * blocks_per_seq, block, loaded.dtype, "cpu")
+    cache = KVCache(model.config, batch * blocks_per_seq, block, KVCacheSpec(loaded.dtype), "cpu")
     tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
     times = []
     with torch.inference_mode():

@@ -82,7 +82,7 @@ class QrunSystem:
     def decode_bytes(self, prompt: str, decoded: int) -> int:
         """Bytes of a batch-1 decode step after `prompt` and `decoded` tokens."""
         context = len(self.llm.tokenizer.encode(prompt)) + decoded
-        return decode_step_bytes(self.llm.engine.runner.model, context, self.llm.engine.runner.kv_cache.k.dtype)
+        return decode_step_bytes(self.llm.engine.runner.model, context, self.llm.engine.cache_spec)
 
     def kv_tokens(self) -> int:
         bm = self.llm.engine.block_manager

@@ -45,6 +45,7 @@ def test_decode_step_bytes_count_each_weight_once_and_one_embedding_row(tiny_lla
     import torch
 
     from qrun.bench import decode_step_bytes
+    from qrun.kv_cache import KVCacheSpec
     from qrun.loader import load_model
 
     model = load_model(tiny_llama_dir, dtype="float32", device="cpu").model
@@ -55,4 +56,4 @@ def test_decode_step_bytes_count_each_weight_once_and_one_embedding_row(tiny_lla
     config = model.config
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     expected = weights - embed.numel() * 4 + one_row_each + 100 * kv_per_token
-    assert decode_step_bytes(model, 100, torch.bfloat16) == expected
+    assert decode_step_bytes(model, 100, KVCacheSpec(torch.bfloat16)) == expected

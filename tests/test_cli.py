@@ -124,11 +124,20 @@ def test_info_shows_size_and_kv_capacity(tiny_llama_dir, capsys):
     assert "512 B per token" in out  # bytes, labelled as bytes
 
 
+def test_info_reports_the_tokens_a_quantized_cache_holds(tiny_llama_dir, capsys):
+    # int4 with head_dim 16: 8 bytes of codes + a float16 scale and zero per head and token:
+    # 2 layers x 2 x 2 heads x 12 bytes = 96 bytes per token -> 10,922 tokens in 1 MiB, 10,912 in blocks of 16.
+    assert main(["info", str(tiny_llama_dir), "--kv-cache-memory", "1MiB", "--kv-cache-dtype", "int4",
+                 "--max-num-seqs", "64", "--dtype", "float32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "10,912 tokens (int4)" in out and "96 B per token" in out
+
+
 def test_info_kv_tokens_are_capped_as_the_engine_caps_them(tiny_llama_dir, capsys):
     # One sequence of at most 512 tokens can use 512 tokens of cache, whatever the budget.
     assert main(["info", str(tiny_llama_dir), "--kv-cache-memory", "1MiB", "--max-num-seqs", "1",
                  "--max-num-batched-tokens", "64", "--dtype", "float32", "--device", "cpu"]) == 0
-    assert "512 tokens in 1.0 MiB" in capsys.readouterr().out
+    assert "512 tokens (float32) in 1.0 MiB" in capsys.readouterr().out
 
 
 def test_external_subcommand_is_imported_only_when_used(tmp_path, monkeypatch, capsys):

@@ -91,10 +91,11 @@ def _sentence_kl(orig, quant) -> float:
 
 
 def _logits(model, ids):
-    from qrun.model import AttentionMetadata, KVCache
+    from qrun.kv_cache import KVCache, KVCacheSpec
+    from qrun.model import AttentionMetadata
 
     t = ids.shape[0]
-    cache = KVCache(model.config, 1, t, torch.float32, "cpu")
+    cache = KVCache(model.config, 1, t, KVCacheSpec(torch.float32), "cpu")
     meta = AttentionMetadata.build([(0, t)], [[0]], t)
     with torch.no_grad():
         return model.compute_logits(model(ids, torch.arange(t), meta, cache))

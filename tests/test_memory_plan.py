@@ -11,7 +11,8 @@ from qrun.cli import main
 from qrun.config import ModelConfig
 from qrun.llm import LLM
 from qrun.loader import load_model, read_model_config
-from qrun.memory_plan import CARDS, card_named, kv_bytes_per_token, plan, weight_bytes
+from qrun.kv_cache import KVCacheSpec
+from qrun.memory_plan import CARDS, card_named, plan, weight_bytes
 
 LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -50,13 +51,15 @@ def test_a_quantized_plan_shrinks_the_weights_and_grows_the_cache():
     assert four_bit.weights.total < dense.weights.total / 3
     assert four_bit.kv_tokens > dense.kv_tokens
     # 128 KiB of K/V per token in float16 (32 layers x 2 x 8 heads x 128 x 2 bytes)
-    assert kv_bytes_per_token(config, torch.float16) == 128 * 1024
+    assert KVCacheSpec(torch.float16).bytes_per_token(config) == 128 * 1024
     assert dense.concurrent_sequences(8192) == dense.kv_tokens // 8192
     # A batch-1 step reads the weights (the embedding's one row aside) and the context's K/V.
     card = CARDS["rtx4090"]
     expected = card.bandwidth / (dense.weights.total - dense.weights.embedding + 1000 * 128 * 1024)
     assert dense.decode_tokens_per_second(card.bandwidth, 1000) == pytest.approx(expected)
     assert not plan(config, 8 * 2**30).fits
+    int4_cache = plan(config, 24 * 2**30, kv_cache_dtype="int4")
+    assert int4_cache.kv_tokens / dense.kv_tokens == pytest.approx(3.2, abs=0.02)
 
 
 def test_info_plans_a_card_from_config_json_alone(tmp_path, capsys):

@@ -11,7 +11,8 @@ import torch
 
 from qrun.errors import ModelLoadError
 from qrun.loader import load_model
-from qrun.model import AttentionMetadata, KVCache
+from qrun.kv_cache import KVCache, KVCacheSpec
+from qrun.model import AttentionMetadata
 
 BLOCK = 16
 
@@ -23,7 +24,7 @@ def forward_chunks(loaded, pieces, block_tables, num_blocks=64):
     sequence, the float32 logits of all its tokens in order.
     """
     model = loaded.model
-    kv = KVCache(loaded.config, num_blocks, BLOCK, loaded.dtype, "cpu")
+    kv = KVCache(loaded.config, num_blocks, BLOCK, KVCacheSpec(loaded.dtype), "cpu")
     done = {}
     logits = {}
     for step in pieces:

@@ -23,6 +23,7 @@ from qrun.server.metrics import ServerMetrics
 from qrun.server.protocol import (NOT_JSON, ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                   invalid_request)
 from qrun.server.render import STREAM_END, ChatRender, CompletionRender, Render, sse_event, usage
+from qrun.server.tools import ToolCalling
 from qrun.tokenizer import chat_messages
 
 log = logging.getLogger("qrun.server")
@@ -98,7 +99,7 @@ class Server:
             first = await anext(stream)
         except ValueError as err:  # the engine's RequestError: a prompt it can never serve (too long, empty)
             await stream.aclose()
-            raise ApiError(400, str(err)) from None
+            raise ApiError(400, str(err), getattr(err, "param", None)) from None
         except BaseException:
             await stream.aclose()
             raise
@@ -242,16 +243,25 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        offered = body.model_dump(include={"tools", "tool_choice"})
         try:
-            prompt_ids = llm.tokenizer.encode_chat(chat_messages([m.model_dump() for m in body.messages]))
+            tools = ToolCalling.from_request(offered["tools"], offered["tool_choice"])
+        except ValueError as err:
+            raise ApiError(400, f"tool_choice: {err}", "tool_choice") from None
+        messages = chat_messages([m.model_dump() for m in body.messages])
+        if tools is not None and not llm.tokenizer.renders_tools:
+            messages = [{"role": "system", "content": tools.instructions()}, *messages]
+        try:
+            prompt_ids = llm.tokenizer.encode_chat(messages, tools=None if tools is None else tools.template_tools())
         except QrunError as err:  # the model's chat template refused these messages
             raise ApiError(400, f"messages: {err}", "messages") from None
         max_tokens = body.token_limit
         if max_tokens is None:  # OpenAI's chat default: whatever the context (or the KV cache) leaves
             max_tokens = max(1, llm.engine.request_token_limit - len(prompt_ids))
-        params = body.sampling_params(max_tokens, body.top_logprobs if body.logprobs else None)
+        params = body.sampling_params(max_tokens, body.top_logprobs if body.logprobs else None,
+                                      None if tools is None else tools.constraint())
         job = Job(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params)
-        render = ChatRender(llm.tokenizer, server.model_name, body.top_logprobs)
+        render = ChatRender(llm.tokenizer, server.model_name, body.top_logprobs, tools)
         return await server.run(request, job, render, body.stream, body.include_usage)
 
     app.include_router(v1)

@@ -10,10 +10,11 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from qrun.sampling_params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams
+from qrun.sampling_params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams, StructuredOutputsParams
 
 # Limits on one request. There is no cap on the body's size or on the number of stop strings.
 MAX_N = 16  # choices per prompt
+MAX_TOOLS = 128  # OpenAI's
 MAX_TEMPERATURE = 2.0  # OpenAI's
 # Seeds reach torch as 64-bit integers; /openapi.json states bounds as doubles, and these two
 # are exact (2**63 - 1 would read as 2**63).
@@ -108,6 +109,39 @@ class StreamOptions(RequestBody):
     include_usage: bool | None = Field(False, description="end the stream with a chunk carrying the usage")
 
 
+JsonSchema = dict[str, Any] | bool
+
+
+class JsonSchemaFormat(RequestBody):
+    name: str | None = Field(None, description="ignored")
+    description: str | None = Field(None, description="ignored")
+    json_schema: JsonSchema | None = Field(None, alias="schema", description="the JSON schema the output follows")
+    strict: bool | None = Field(None, description="ignored: the output always follows the schema")
+
+
+class ResponseFormat(RequestBody):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a "json_schema" object: {"name", "schema", "strict"}')
+        return self
+
+
+class StructuredOutputs(RequestBody):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: JsonSchema | str | None = Field(None, alias="json", description="a JSON schema, or its JSON text")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = Field(None, description="a Lark grammar, or GBNF as llama.cpp writes it")
+    json_object: bool | None = None
+
+
 class SamplingRequest(RequestBody):
     """The fields both endpoints take: OpenAI's, and qrun's extensions with vLLM's names
     (top_k, min_p, repetition_penalty, min_tokens, ignore_eos)."""
@@ -133,6 +167,13 @@ class SamplingRequest(RequestBody):
     ignore_eos: bool | None = False
     stream: bool | None = Field(False, description="answer as server-sent events")
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's form of a constrained output")
+    guided_json: JsonSchema | str | None = Field(None, description="the older name of structured_outputs.json")
+    guided_regex: NonEmptyStr | None = Field(None, description="the older name of structured_outputs.regex")
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = Field(
+        None, description="the older name of structured_outputs.choice")
+    guided_grammar: NonEmptyStr | None = Field(None, description="the older name of structured_outputs.grammar")
 
     @property
     def token_limit(self) -> int | None:
@@ -142,15 +183,36 @@ class SamplingRequest(RequestBody):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's SamplingParams; `constraint` (a tool choice's) when the body sets none."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, n=self.n, stop=self.stop,
                 seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logprobs=logprobs, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                structured_outputs=self.structured_outputs_params() or constraint)
         except InvalidSamplingParam as err:  # what no field says alone: min_tokens above max_tokens
             raise ApiError(400, str(err), err.name) from None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the body asks for, by whichever name; a 400 if it names two."""
+        given = {name: value for name, value in (
+            ("response_format", self.response_format), ("structured_outputs", self.structured_outputs),
+            ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar)) if value is not None}
+        if len(given) > 1:
+            raise ApiError(400, f"{' and '.join(given)} both constrain the output: give one", list(given)[1])
+        if not given:
+            return None
+        name, value = next(iter(given.items()))
+        if name == "response_format":
+            return StructuredOutputsParams.from_response_format(value.model_dump(by_alias=True, exclude_none=True))
+        if name == "structured_outputs":
+            return StructuredOutputsParams(**{k.rstrip("_"): v for k, v in value.model_dump().items()
+                                              if v is not None and v is not False})
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
 
 class CompletionRequest(SamplingRequest):
@@ -187,10 +249,34 @@ class ChatMessage(BaseModel):
         None, description="text, or text parts (joined); null is empty")
 
 
+class FunctionDefinition(RequestBody):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(None, description="ignored: required and named tool choices always follow it")
+
+
+class Tool(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestBody):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     """The body of POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
     logprobs: bool | None = Field(False, description="log probabilities of the sampled tokens")
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         0, description="with logprobs: this many alternatives per token")

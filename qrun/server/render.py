@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from qrun.sequence import CompletionOutput, RequestOutput
 from qrun.server.job import Job
+from qrun.server.tools import ToolCalling
 from qrun.tokenizer import Tokenizer
 
 STREAM_END = "data: [DONE]\n\n"
@@ -58,8 +59,9 @@ class Render:
         raise NotImplementedError
 
     def _delta(self, job: Job, index: int, output: RequestOutput, choice: CompletionOutput, text: str,
-               logprobs: list[dict[int, float]] | None, opening: bool) -> dict:
-        """One streamed choice: its new `text` and `logprobs`; `opening` when nothing of it was sent."""
+               logprobs: list[dict[int, float]] | None, opening: bool) -> dict | None:
+        """One streamed choice: its new `text` and `logprobs`; `opening` when nothing of it was
+        sent. None: nothing to send yet."""
         raise NotImplementedError
 
     def first_chunks(self, job: Job) -> list[dict]:
@@ -76,7 +78,8 @@ class Render:
             text, logprobs = new
             delta = self._delta(job, index, output, choice, text,
                                 logprobs if choice.logprobs is not None else None, opening)
-            chunks.append({**self._header(job, self.chunk_object), "choices": [delta]})
+            if delta is not None:
+                chunks.append({**self._header(job, self.chunk_object), "choices": [delta]})
         return chunks
 
     def usage_chunk(self, job: Job, outputs: dict[int, RequestOutput]) -> dict:
@@ -134,9 +137,10 @@ class ChatRender(Render):
     answer_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, top_logprobs: int):
+    def __init__(self, tokenizer: Tokenizer, model_name: str, top_logprobs: int, tools: ToolCalling | None = None):
         super().__init__(tokenizer, model_name)
         self.top_logprobs = top_logprobs
+        self.tools = tools  # with tools, a choice is held back until it ends: it may be a call, not text
 
     def _logprobs(self, entries: list[dict[int, float]] | None) -> dict | None:
         if entries is None:
@@ -153,10 +157,19 @@ class ChatRender(Render):
             content.append({**item(token_id, value), "top_logprobs": [item(t, v) for t, v in best]})
         return {"content": content}
 
+    def _tool_calls(self, choice: CompletionOutput) -> list[dict] | None:
+        if self.tools is None or choice.finish_reason != "stop":
+            return None
+        return self.tools.parse(choice.text)
+
     def answer(self, job: Job, outputs: dict[int, RequestOutput]) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                   for c in outputs[0].outputs]
+        choices = []
+        for c in outputs[0].outputs:
+            calls = self._tool_calls(c)
+            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
+                       else {"role": "assistant", "content": c.text})
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                            "finish_reason": "tool_calls" if calls else c.finish_reason})
         return {**self._header(job, self.answer_object), "choices": choices, "usage": usage(outputs)}
 
     def first_chunks(self, job: Job) -> list[dict]:
@@ -166,6 +179,15 @@ class ChatRender(Render):
             for i in range(job.params.n)]
 
     def _delta(self, job: Job, index: int, output: RequestOutput, choice: CompletionOutput, text: str,
-               logprobs: list[dict[int, float]] | None, opening: bool) -> dict:
+               logprobs: list[dict[int, float]] | None, opening: bool) -> dict | None:
+        if self.tools is not None:
+            if choice.finish_reason is None:
+                return None
+            calls = self._tool_calls(choice)
+            if calls:  # OpenAI streams each call with its index; here each arrives whole
+                streamed = [{"index": i, **call} for i, call in enumerate(calls)]
+                return {"index": choice.index, "delta": {"tool_calls": streamed},
+                        "logprobs": self._logprobs(choice.logprobs), "finish_reason": "tool_calls"}
+            text, logprobs = choice.text, choice.logprobs  # held back until now
         return {"index": choice.index, "delta": {"content": text} if text else {},
                 "logprobs": self._logprobs(logprobs), "finish_reason": choice.finish_reason}

@@ -1,0 +1,113 @@
+"""Quantized KV caches: capacity from the byte arithmetic, and every engine feature (batching,
+chunked prefill, prefix caching, copy-on-write, preemption) unchanged within one cache dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qrun import LLM, SamplingParams
+from qrun.kv_cache import KVCache, KVCacheSpec
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+BUDGET = 1_500_000
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(1, 90, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_llm(request, tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=request.param, kv_cache_memory=BUDGET,
+               max_num_batched_tokens=64, max_num_seqs=16)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8", "int4"])
+def test_cache_holds_what_its_bytes_per_token_say(tiny_llama_dir, name):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name, kv_cache_memory=BUDGET, max_num_seqs=64)
+    engine = llm.engine
+    tokens = engine.block_manager.num_blocks * engine.config.block_size
+    per_token = engine.cache_spec.bytes_per_token(engine.loaded.config)
+    assert tokens == pytest.approx(BUDGET / per_token, rel=0.05)
+    allocated = sum(t.numel() * t.element_size() for t in engine.runner.kv_cache.tensors())
+    assert allocated == tokens * per_token  # scales included in the arithmetic
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_quantized_caches_hold_about_two_and_three_times_the_tokens(head_dim):
+    from qrun.config import ModelConfig
+
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 32 * head_dim,
+                                  "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8, "vocab_size": 1000, "max_position_embeddings": 4096})
+    sixteen = KVCacheSpec(torch.bfloat16).bytes_per_token(config)
+    assert sixteen / KVCacheSpec(torch.float32, 8).bytes_per_token(config) == pytest.approx(1.88, abs=0.01)
+    assert sixteen / KVCacheSpec(torch.float32, 4).bytes_per_token(config) == pytest.approx(3.2, abs=0.01)
+
+
+def test_unknown_cache_dtype_names_the_choices(tiny_llama_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not one of auto, float32, .*int4"):
+        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8")
+
+
+def test_rotation_is_orthogonal_so_scores_are_unchanged(tiny_llama_dir):
+    config = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=BUDGET).engine.loaded.config
+    cache = KVCache(config, 2, 16, KVCacheSpec(torch.float32, 4), "cpu")
+    rotation = cache.rotation
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(config.head_dim), atol=1e-6, rtol=0)
+    q, k = torch.randn(5, config.head_dim), torch.randn(7, config.head_dim)
+    torch.testing.assert_close((q @ rotation) @ (k @ rotation).T, q @ k.T, atol=1e-5, rtol=1e-5)
+    assert KVCache(config, 2, 16, KVCacheSpec(torch.float32, 4, rotate=False), "cpu").rotation is None
+
+
+def test_quantized_cache_batched_and_chunked_greedy_equals_sequential(quantized_llm):
+    batch = prompts(10, seed=1)
+    params = [SamplingParams(max_tokens=4 + 2 * i, **GREEDY) for i in range(10)]
+    together = quantized_llm.generate(batch, params, progress=False)  # 64-token budget: prompts arrive in chunks
+    for prompt, p, out in zip(batch, params, together):
+        assert out.token_ids == quantized_llm.generate([prompt], p, progress=False)[0].token_ids
+
+
+def test_quantized_cache_serves_a_repeated_prompt_from_its_prefix_cache(quantized_llm):
+    prompt = list(range(3, 103))
+    first = quantized_llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY), progress=False)[0]
+    second = quantized_llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY), progress=False)[0]
+    assert second.metrics.num_cached_tokens == 96
+    assert first.token_ids == second.token_ids
+
+
+def test_quantized_cache_n_completions_copy_on_write(quantized_llm):
+    prompt = prompts(1, seed=4)[0] + list(range(20))
+    one = quantized_llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY), progress=False)[0]
+    many = quantized_llm.generate([prompt], SamplingParams(n=3, max_tokens=10, **GREEDY), progress=False)[0]
+    assert all(c.token_ids == one.token_ids for c in many.outputs)
+    manager = quantized_llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_quantized_cache_preempts_and_still_matches_sequential(tiny_llama_dir, quantized_llm):
+    name = quantized_llm.engine.config.kv_cache_dtype
+    small = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_dtype=name, kv_cache_memory=60_000,
+                max_num_seqs=8, max_num_batched_tokens=64)
+    batch = prompts(8, seed=3)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    outs = small.generate(batch, params, progress=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        assert out.token_ids == quantized_llm.generate([prompt], params, progress=False)[0].token_ids
+    assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
+
+
+def test_quantized_cache_logits_stay_close_to_the_float_cache(tiny_llama_dir):
+    from qrun.perplexity import window_logprobs
+
+    loaded = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=BUDGET).engine.loaded
+    ids = torch.tensor(prompts(1, seed=5)[0] * 3)[:200]
+    reference = window_logprobs(loaded.model, ids)
+    for name, most in (("int8", 1e-3), ("int4", 2e-2)):
+        logp = window_logprobs(loaded.model, ids, name)
+        kl = (reference.exp() * (reference - logp)).sum(-1).mean().item()
+        assert 0 < kl < most, (name, kl)
