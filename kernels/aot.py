@@ -98,13 +98,14 @@ class Site:
     where: str
     candidates: list[list[Launch]]  # each: the launches of one variant, in the launcher's order of preference
     keep_all: bool = False  # autotuned: every variant that fits may run (else only the first that fits)
+    min_capability: int = 0  # targets below it never make this launch (the runtime refuses it there)
 
 
 def attention_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
     """Decode (one query per sequence) and prefill, with every split count the split-K
     heuristic can choose, each over the launcher's tile candidates; over int8 and int4 caches
     with and without split-K (the split count is no constexpr, only whether there is one)."""
-    from qrun.kernels.kv_quant import kv_group_size, storage_dtype
+    from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY, kv_group_size, storage_dtype
     from qrun.kernels.paged_attention import MAX_KV_SPLITS, attention_tile_candidates, paged_attention_launches
 
     num_seqs, max_seq_len = 4, 4096
@@ -127,7 +128,8 @@ def attention_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
                                              shape.head_dim ** -0.5, torch.empty_like(q), scales, scales, sms=1,
                                              tiles=tiles, num_splits=splits)
                     for tiles in attention_tile_candidates(shape.head_dim, shape.num_heads // shape.num_kv_heads,
-                                                           max_query_len)])
+                                                           max_query_len)],
+                    min_capability=0 if scales is None else QUANTIZED_KV_MIN_CAPABILITY)
                 splits *= 2
 
 
@@ -149,7 +151,7 @@ def linear_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
 
 def elementwise_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
     from qrun.kernels.cache_ops import store_kv_launches
-    from qrun.kernels.kv_quant import kv_group_size, storage_dtype
+    from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY, kv_group_size, storage_dtype
     from qrun.kernels.norm import rms_norm_launches
     from qrun.kernels.rotary import apply_rotary_launches
 
@@ -168,7 +170,8 @@ def elementwise_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
     for bits in (8, 4):
         data = _meta(64, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim * bits // 8, dtype=storage_dtype(bits))
         scales = _meta(64, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim // kv_group_size(shape.head_dim, bits), 2)
-        yield Site(f"store_kv, int{bits} cache", [store_kv_launches(k, k, data, data, slots, scales, scales)])
+        yield Site(f"store_kv, int{bits} cache", [store_kv_launches(k, k, data, data, slots, scales, scales)],
+                   min_capability=QUANTIZED_KV_MIN_CAPABILITY)
 
 
 def all_sites() -> Iterator[Site]:
@@ -315,6 +318,8 @@ def check(targets: list[Target] = TARGETS, workers: int | None = None) -> Report
     jobs: dict[str, tuple[Target, str, tuple]] = {}
     for target in targets:
         for site in sites:
+            if target.capability < site.min_capability:
+                continue
             variants = []
             for candidate in site.candidates:
                 keys = []

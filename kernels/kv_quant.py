@@ -23,6 +23,9 @@ import torch
 from qrun.kernels.dtype import cast
 
 SCALE_DTYPE = torch.float16
+# On Turing (sm_75) attention over an int8 cache spills registers at head_dim 128 in every tile
+# the launcher has (docs/KERNELS.md), so quantized caches need Ampere (sm_80) or newer on a GPU.
+QUANTIZED_KV_MIN_CAPABILITY = 80
 _SCALE_LIMIT = 65504.0  # float16's largest finite value: keys and values are clamped to it
 _MIN_STEP = 2.0 ** -24  # smallest positive float16: a group of equal values still gets a step
 
@@ -116,6 +119,7 @@ def store_quantized(src_ptr, stride_src_h, data_ptr, stride_dh, scales_ptr, stri
     heads = tl.arange(0, HEADS_PAD)
     head_ok = heads < num_heads
     cols = tl.arange(0, GROUP_PAD)[None, :]
+    HALF: tl.constexpr = GROUP // 2  # int4: a group's bytes (a constexpr may not be set inside the loop)
     for g in tl.static_range(HEAD_DIM // GROUP):
         scale_offs = scales_ptr + heads * stride_sh + g * 2
         if BITS == 8:
@@ -126,9 +130,8 @@ def store_quantized(src_ptr, stride_src_h, data_ptr, stride_dh, scales_ptr, stri
             tl.store(data_ptr + heads[:, None] * stride_dh + g * GROUP + cols, q.to(tl.int8), mask=mask)
             tl.store(scale_offs + 1, tl.zeros([HEADS_PAD], tl.float16), mask=head_ok)
         else:
-            half: tl.constexpr = GROUP // 2
-            first, mask = _group_values(src_ptr, heads, head_ok, stride_src_h, g * GROUP, half, GROUP_PAD)
-            second, _ = _group_values(src_ptr, heads, head_ok, stride_src_h, g * GROUP + half, half, GROUP_PAD)
+            first, mask = _group_values(src_ptr, heads, head_ok, stride_src_h, g * GROUP, HALF, GROUP_PAD)
+            second, _ = _group_values(src_ptr, heads, head_ok, stride_src_h, g * GROUP + HALF, HALF, GROUP_PAD)
             low = tl.minimum(tl.min(tl.where(mask, first, float("inf")), 1),
                              tl.min(tl.where(mask, second, float("inf")), 1))
             high = tl.maximum(tl.max(tl.where(mask, first, float("-inf")), 1),
@@ -139,6 +142,6 @@ def store_quantized(src_ptr, stride_src_h, data_ptr, stride_dh, scales_ptr, stri
             q1 = tl.minimum(tl.maximum(tl.floor((first - zero.to(tl.float32)[:, None]) / step + 0.5), 0.0), 15.0)
             q2 = tl.minimum(tl.maximum(tl.floor((second - zero.to(tl.float32)[:, None]) / step + 0.5), 0.0), 15.0)
             packed = (q1.to(tl.int32) | (q2.to(tl.int32) << 4)).to(tl.uint8)
-            tl.store(data_ptr + heads[:, None] * stride_dh + g * half + cols, packed, mask=mask)
+            tl.store(data_ptr + heads[:, None] * stride_dh + g * HALF + cols, packed, mask=mask)
             tl.store(scale_offs + 1, zero, mask=head_ok)
         tl.store(scale_offs, scale, mask=head_ok)

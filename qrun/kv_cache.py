@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from qrun.config import KV_CACHE_DTYPES, ModelConfig
-from qrun.kernels.kv_quant import SCALE_DTYPE, kv_group_size, storage_dtype
+from qrun.errors import QrunError
+from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY, SCALE_DTYPE, kv_group_size, storage_dtype
 from qrun.kernels.rotation import random_signs, rotate
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class KVCache:
         subtracts before storing (None: keys are stored as they come)."""
         head_dim = config.head_dim
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads)
+        _check_device(spec, torch.device(device))
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -124,6 +126,14 @@ class KVCache:
 
 # Prose of the Brown corpus's calibration genres (press, hobbies, lore, letters, government,
 # learned), a little code and dialogue; read up to CALIBRATION_TOKENS of it.
+def _check_device(spec: KVCacheSpec, device: torch.device) -> None:
+    if spec.quantized and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor < QUANTIZED_KV_MIN_CAPABILITY:
+            raise QrunError(f"kv_cache_dtype={spec.name} needs an Ampere or newer GPU (sm_80+); this one is "
+                            f"sm_{major}{minor}: use a float cache (--kv-cache-dtype auto)")
+
+
 CALIBRATION_TEXT = Path(__file__).with_name("data") / "kv_calibration.txt"
 CALIBRATION_TOKENS = 1024
 

@@ -111,3 +111,15 @@ def test_quantized_cache_logits_stay_close_to_the_float_cache(tiny_llama_dir):
         logp = window_logprobs(loaded.model, ids, name)
         kl = (reference.exp() * (reference - logp)).sum(-1).mean().item()
         assert 0 < kl < most, (name, kl)
+
+
+def test_quantized_cache_is_refused_on_gpus_before_ampere(monkeypatch):
+    from qrun.errors import QrunError
+    from qrun.kv_cache import _check_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(QrunError, match="needs an Ampere or newer GPU.*sm_75"):
+        _check_device(KVCacheSpec(torch.float16, 8), torch.device("cuda"))
+    _check_device(KVCacheSpec(torch.float16), torch.device("cuda"))  # a float cache runs anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    _check_device(KVCacheSpec(torch.float16, 4), torch.device("cuda"))
