@@ -20,6 +20,7 @@ import torch
 
 import qrun.kernels.paged_attention as pa
 from qrun.kernels.aot import TARGETS
+from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_paged_attn_kernel", "_merge_splits_kernel", "_dq_gemv_kernel", "_dq_mm_kernel", "_rms_norm_kernel",
@@ -42,7 +43,8 @@ def report(tmp_path_factory) -> dict:
 def test_every_kernel_compiles_for_every_gpu_target_within_its_limits(report):
     assert report["failures"] == []
     run = {(r["kernel"], r["target"]) for r in report["compiled"] if r["chosen"]}
-    assert run == {(kernel, target.name) for kernel in KERNELS for target in TARGETS}
+    quantized_kv = {("_store_kv_quantized_kernel", t.name) for t in TARGETS if t.capability >= QUANTIZED_KV_MIN_CAPABILITY}
+    assert run == {(kernel, target.name) for kernel in KERNELS for target in TARGETS} | quantized_kv
     for r in report["compiled"]:
         if r["chosen"]:
             assert r["spill_bytes"] == 0 and r["shared_memory"] <= r["shared_memory_limit"], r
