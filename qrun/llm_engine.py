@@ -265,13 +265,14 @@ class LLMEngine:
         return seqs, logits[rows]
 
     def _token_bitmask(self, sampling: list[Sequence]) -> torch.Tensor | None:
-        """The tokens each structured-output sequence may sample now; None when none has a grammar."""
-        constrained = [(row, seq) for row, seq in enumerate(sampling) if seq.matcher is not None]
-        if not constrained:
+        """The tokens each structured-output sequence may sample now, one row each in batch
+        order; None when none has a grammar."""
+        matchers = [seq.matcher for seq in sampling if seq.matcher is not None]
+        if not matchers:
             return None
-        bitmask = self.grammar_compiler.bitmask(len(sampling))
-        for row, seq in constrained:
-            seq.matcher.fill_bitmask(bitmask, row)
+        bitmask = self.grammar_compiler.bitmask(len(matchers))
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, row)
         return bitmask
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:

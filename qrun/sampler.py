@@ -53,8 +53,8 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
            token_bitmask: torch.Tensor | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
     """One token per row of `logits` ([B, V] float32), and its logprobs where asked for.
-    `token_bitmask` ([B, words] int32) holds the tokens each structured-output row allows; rows
-    of sequences without a grammar are not read."""
+    `token_bitmask` ([C, words] int32) holds the tokens allowed to each of the C sequences that
+    have a grammar, in batch order."""
     apply_penalties(logits, seqs)
     suppress_early_stops(logits, seqs, eos_token_ids)
     if token_bitmask is not None:

@@ -5,7 +5,7 @@ needs nothing at run time beyond its own wheel (xgrammar requires transformers),
 step's token mask on the CPU in about a millisecond from a lazily built Earley parser, so a
 schema costs well under a millisecond to set up rather than a compile step, and covers the
 JSON Schema features clients send ($ref/$defs, anyOf/oneOf, pattern, format, bounds) with an
-explicit error for the rest (measured: `scripts/structured_outputs_overhead.py`).
+explicit error for the rest. `scripts/structured_outputs_overhead.py` prints what it costs.
 
 - `GrammarCompiler` (one per engine) turns `StructuredOutputsParams` into a checked grammar,
   cached by its canonical text; every error names the field and says why, before the request is
@@ -91,7 +91,7 @@ class GrammarCompiler:
         return Matcher(llguidance.LLMatcher(self._tokenizer, grammar, log_level=0))
 
     def bitmask(self, rows: int) -> torch.Tensor:
-        """An int32 [rows, words] bitmask with every token allowed (rows without a grammar keep it)."""
+        """An int32 [rows, words] bitmask with every token allowed, for matchers to fill."""
         return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
 
     def _compile(self, params: StructuredOutputsParams) -> str:
@@ -115,11 +115,11 @@ class GrammarCompiler:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf the logits of tokens each listed row's bitmask forbids (the other rows are
-    untouched, so free requests cost nothing). In place."""
+    """Set to -inf the logits of tokens forbidden in row `rows[i]` by `bitmask[i]` (the other
+    rows are untouched, so free requests cost nothing). In place."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     constrained = logits[index]
-    llg_torch.apply_token_bitmask_inplace(constrained, bitmask[rows].to(logits.device))
+    llg_torch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
     logits[index] = constrained
 
 
