@@ -17,18 +17,18 @@ def store_kv_ref(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> None:
-    """k, v: [T, Hkv, D]; slot_mapping: [T] slot = block * block_size + offset. With scales the
-    cache is quantized (`kernels/kv_quant.py` gives the layout) and k, v are quantized on the way."""
-    slots = cast(slot_mapping, torch.int64)
+    """k, v: [T, Hkv, D]; slot_mapping: [T] slot = block * block_size + offset; with scales, quantized on the way
+    (`kernels/kv_quant.py`). Written by (block, offset) into the cache, not a flat view: compiled, still in place."""
+    where = torch.unravel_index(cast(slot_mapping, torch.int64), k_cache.shape[:2])
     if k_scales is None:
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, cast(k, k_cache.dtype))
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, cast(v, v_cache.dtype))
+        k_cache.index_put_(where, cast(k, k_cache.dtype))
+        v_cache.index_put_(where, cast(v, v_cache.dtype))
         return
     heads = k.shape[1]  # K and V quantized as one tensor: half the ops
     data, scales = quantize_kv_ref(torch.cat([k, v], dim=1), bits_of(k_cache), k.shape[-1] // k_scales.shape[-2])
     for cache, cache_scales, part in ((k_cache, k_scales, slice(None, heads)), (v_cache, v_scales, slice(heads, None))):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, data[:, part])
-        cache_scales.view(-1, *cache_scales.shape[2:]).index_copy_(0, slots, scales[:, part])
+        cache.index_put_(where, data[:, part])
+        cache_scales.index_put_(where, scales[:, part])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,8 +33,7 @@ _MIN_STEP = 2.0 ** -24  # smallest positive float16: a group of equal values sti
 def kv_group_size(head_dim: int, bits: int) -> int:
     """Elements of head_dim sharing one scale: 64 for int8 and 32 for int4 where head_dim is a
     multiple of that, else the whole head (head_dim 80 or 96: one group). int4 needs the smaller
-    groups: in a one-window SmolLM2 experiment they took its KL from 0.034 to 0.026, at half a
-    bit more per value."""
+    groups: in a one-window SmolLM2 experiment they took its KL from 0.034 to 0.026 (+0.5 bit)."""
     group = 64 if bits == 8 else 32
     return group if head_dim % group == 0 else head_dim
 

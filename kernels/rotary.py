@@ -32,16 +32,16 @@ _last_tables: tuple[tuple[int, int], torch.Tensor, torch.Tensor, torch.Tensor] |
 
 
 def _step_tables(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, 1, D] tables ([cos, cos], [-sin, sin]) of a step's positions, made by its first layer and
-    reused by the others (eight small ops a layer, ~2 ms of a 135M model's decode step on a CPU)."""
+    """[T, 1, D] ([cos, cos], [-sin, sin]) of a step's positions: its first layer makes them for all (~2 ms a step)."""
     global _last_tables
-    cached = _last_tables  # one read: another thread's engine may replace it meanwhile
+    compiled = torch.compiler.is_compiling()  # a compiled layer makes the tables in its fused loops
+    cached = None if compiled else _last_tables  # one read: another thread's engine may replace it
     if cached is not None and cached[0] == (id(positions), id(cos_sin)):
         return cached[2], cached[3]
     cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)
     cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-    # positions is kept alive with the tables, so its id cannot be reused while they are cached
-    _last_tables = ((id(positions), id(cos_sin)), positions, cos2, sin2)
+    if not compiled:  # positions is kept alive with the tables, so its id cannot be reused meanwhile
+        _last_tables = ((id(positions), id(cos_sin)), positions, cos2, sin2)
     return cos2, sin2
 
 
