@@ -9,6 +9,7 @@ load by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch.nn import functional as F
 
 from qrun.config import ModelConfig
 from qrun.kernels import ops_for, rotary_cos_sin
+from qrun.kernels.paged_attention import padded_decode_attention
 from qrun.kv_cache import KVCache, LayerKV
 
 
@@ -29,10 +31,13 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int
+    # Every sequence decodes one token and attention reads whole block-table rows, masked
+    # (`kernels.paged_attention.padded_decode_attention`): the form a compiled step runs.
+    padded_decode: bool = False
 
     @classmethod
     def build(cls, spans: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu", padded_decode: bool = False) -> "AttentionMetadata":
         """Metadata for a step where sequence s computes positions spans[s] = (start, end) and
         keeps its K/V in the blocks block_tables[s] (tables padded with block 0 to one width)."""
         slots: list[int] = []
@@ -42,14 +47,16 @@ class AttentionMetadata:
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             seq_lens.append(end)
             query_start.append(query_start[-1] + end - start)
-        width = max(len(table) for table in block_tables)
+        # a padded-decode step's tables are at least two blocks wide: a compiled graph would
+        # otherwise specialise on width 1 and compile once more
+        width = max(2 if padded_decode else 1, *(len(table) for table in block_tables))
         padded = [table + [0] * (width - len(table)) for table in block_tables]
 
         def tensor(values, dtype=torch.int32):
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(tensor(slots, torch.int64), tensor(padded), tensor(seq_lens), tensor(query_start),
-                   max(end - start for start, end in spans), max(seq_lens))
+                   max(end - start for start, end in spans), max(seq_lens), padded_decode)
 
 
 class Attention(nn.Module):
@@ -91,10 +98,13 @@ class Attention(nn.Module):
         if rotation is not None:  # ... rotated (qrun/kv_cache.py)
             q, k, v = q @ rotation, k @ rotation, v @ rotation
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scales, cache.v_scales)
-        out = self.ops.paged_attention(
-            q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_seq_len, self.scale, None, cache.k_scales, cache.v_scales,
-        )
+        if meta.padded_decode:
+            out = padded_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale)
+        else:
+            out = self.ops.paged_attention(
+                q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.max_query_len, meta.max_seq_len, self.scale, None, cache.k_scales, cache.v_scales,
+            )
         if rotation is not None:
             out = out @ rotation.T
         return out.flatten(1)
@@ -203,12 +213,15 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, one row per input token."""
+                kv_cache: KVCache, layer_forward: Callable | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, one row per input token.
+        `layer_forward(layer, x, residual, ...)` runs each layer in place of `DecoderLayer.forward`
+        (the compiled one: `qrun/compiled_decode.py`)."""
+        layer_forward = layer_forward or DecoderLayer.__call__
         x = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache.layers[i])
+        residual = torch.zeros_like(x)  # the first layer adds one too, so one compiled graph serves all
+        for layer, cache in zip(self.layers, kv_cache.layers):
+            x, residual = layer_forward(layer, x, residual, positions, self.cos_sin, meta, cache)
         x, _ = self.norm(x, residual)
         return x
 

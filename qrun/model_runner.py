@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from qrun.compiled_decode import CompiledDecode, can_compile
 from qrun.cpu_gemv import GEMV_ROWS, bfloat16_only, uses_half_gemv
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_means
@@ -11,15 +14,20 @@ from qrun.model import AttentionMetadata
 from qrun.scheduler import ScheduledBatch
 from qrun.sequence import Sequence
 
+log = logging.getLogger("qrun")
+
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cache: KVCacheSpec):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cache: KVCacheSpec,
+                 compile_decode: bool = False):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         means = key_means(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, means)
         self.half_gemv = uses_half_gemv(self.model)
+        self.compiled = (CompiledDecode(self.model, loaded.config, cache, block_size)
+                         if compile_decode and can_compile(self.model, self.device, cache) else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -47,16 +55,26 @@ class ModelRunner:
             if start + n == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device)
+        layer = self.compiled.layer_for(spans) if self.compiled is not None else None
+        meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
+                                       padded_decode=layer is not None)
         positions = [p for start, end in spans for p in range(start, end)]
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in (input_ids, positions, sample_rows))
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            hidden = self.model(ids, positions, meta, self.kv_cache)
+            hidden = self.model(ids, positions, meta, self.kv_cache, layer)
             return hidden, self.model.compute_logits(hidden[rows]) if sampling else None
 
-        hidden, logits = forward()
+        try:
+            hidden, logits = forward()
+        except Exception:  # a compiled step that fails must not stop the engine: eager from now on
+            if layer is None:
+                raise
+            log.warning("compiled decode step failed; running eager from now on", exc_info=True)
+            self.compiled.disable()
+            layer, meta.padded_decode = None, False
+            hidden, logits = forward()
         if (self.half_gemv and len(input_ids) <= GEMV_ROWS and not (
                 torch.isfinite(hidden).all() and (logits is None or torch.isfinite(logits).all()))):
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16

@@ -19,6 +19,7 @@ Systems (SYSTEM or SYSTEM@VARIANT):
   qrun[@MODEL]   qrun.LLM (default --model, --dtype), continuous batching, prefix caching on
                  (metrics: qrun.bench.run_qrun); MODEL may be a `qrun convert` output folder
   qrun_noprefix  the same engine with enable_prefix_caching=False
+  qrun_eager[@MODEL] the same engine with enforce_eager=True (no compiled decode steps)
   hf_static      transformers `generate`, left padding, batches of --batch-size in arrival order,
                  each batch runs to its longest max_tokens (static batching)
   hf_cb          transformers continuous batching (the manager behind `generate_batch`), explicit
@@ -48,7 +49,7 @@ from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, 
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
-ALL_SYSTEMS = ["qrun", "qrun_noprefix", "hf_static", "hf_cb", "llamacpp"]
+ALL_SYSTEMS = ["qrun", "qrun_noprefix", "qrun_eager", "hf_static", "hf_cb", "llamacpp"]
 
 
 class SkipSystem(Exception):
@@ -67,12 +68,12 @@ def gguf_path(model: str) -> Path:
 # -- qrun -----------------------------------------------------------------------------------------
 
 class QrunSystem:
-    def __init__(self, name: str, args, model: str, prefix_caching: bool):
+    def __init__(self, name: str, args, model: str, prefix_caching: bool, enforce_eager: bool = False):
         from qrun import LLM
 
         kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_batch_tokens, block_size=args.block_size,
-                      enable_prefix_caching=prefix_caching)
+                      enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager)
         if args.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
         self.name = name
@@ -87,6 +88,15 @@ class QrunSystem:
     def kv_tokens(self) -> int:
         bm = self.llm.engine.block_manager
         return bm.num_blocks * bm.block_size
+
+    def warm_up(self) -> None:
+        """Compile decode steps now, as a long-running engine does after its first 256 of them
+        (qrun/compiled_decode.py), so that the timed runs see the steady state."""
+        compiled = self.llm.engine.runner.compiled
+        if compiled is not None and compiled.layer is None:
+            t = time.perf_counter()
+            compiled.start().join()
+            print(f"[{self.name}] compiled decode steps in {time.perf_counter() - t:.1f}s", flush=True)
 
     def run(self, requests: list[BenchRequest]) -> dict:
         if self.ids is None or len(self.ids) != len(requests):
@@ -136,6 +146,15 @@ class HFStaticSystem:
         self.ids: list[list[int]] | None = None
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile decode steps now, as a long-running engine does after its first 256 of them
+        (qrun/compiled_decode.py), so that the timed runs see the steady state."""
+        compiled = self.llm.engine.runner.compiled
+        if compiled is not None and compiled.layer is None:
+            t = time.perf_counter()
+            compiled.start().join()
+            print(f"[{self.name}] compiled decode steps in {time.perf_counter() - t:.1f}s", flush=True)
+
     def run(self, requests: list[BenchRequest]) -> dict:
         if self.ids is None or len(self.ids) != len(requests):
             self.ids = [hf_encode(self.tok, r.prompt) for r in requests]
@@ -199,6 +218,15 @@ class HFContinuousSystem:
                              max_requests_per_batch=max_requests)
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile decode steps now, as a long-running engine does after its first 256 of them
+        (qrun/compiled_decode.py), so that the timed runs see the steady state."""
+        compiled = self.llm.engine.runner.compiled
+        if compiled is not None and compiled.layer is None:
+            t = time.perf_counter()
+            compiled.start().join()
+            print(f"[{self.name}] compiled decode steps in {time.perf_counter() - t:.1f}s", flush=True)
+
     def run(self, requests: list[BenchRequest]) -> dict:
         if self.ids is None or len(self.ids) != len(requests):
             self.ids = [hf_encode(self.tok, r.prompt) for r in requests]
@@ -493,8 +521,9 @@ def build_system(spec: str, args, path: Path, requests: list[BenchRequest], buil
     """The system named by `spec` (SYSTEM or SYSTEM@VARIANT; see the module doc)."""
     kind, _, variant = spec.partition("@")
     qruns = [s for s in built.values() if isinstance(s, QrunSystem)]
-    if kind in ("qrun", "qrun_noprefix"):
-        return QrunSystem(spec, args, variant or args.model, prefix_caching=(kind == "qrun"))
+    if kind in ("qrun", "qrun_noprefix", "qrun_eager"):
+        return QrunSystem(spec, args, variant or args.model, prefix_caching=(kind != "qrun_noprefix"),
+                          enforce_eager=(kind == "qrun_eager"))
     if kind in ("hf_static", "hf_cb"):
         if "_hf" not in built:
             built["_hf"] = load_hf(path, args.dtype)
@@ -578,6 +607,8 @@ def main(argv=None) -> int:
             systems[name].ids = None
             systems[name].run(warm)
             systems[name].ids = None
+            if hasattr(systems[name], "warm_up"):
+                systems[name].warm_up()
             print(f"[{name}] warm-up ({len(warm)} requests) {time.perf_counter() - t:.1f}s", flush=True)
 
     runs: dict[str, list[dict]] = {name: [] for name in order}
@@ -622,7 +653,7 @@ def main(argv=None) -> int:
 
     profile = None
     if args.profile:
-        qname = next((s for s in order if s.partition("@")[0] in ("qrun", "qrun_noprefix")), None)
+        qname = next((s for s in order if s.partition("@")[0] in ("qrun", "qrun_noprefix", "qrun_eager")), None)
         if qname is None:
             print("--profile needs qrun or qrun_noprefix among --systems")
         else:

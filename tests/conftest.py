@@ -13,6 +13,10 @@ if not os.path.exists("/dev/nvidiactl"):
     # imported, so it is set before anything imports qrun (which imports triton).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines run eager unless a test asks for compiled decode steps: compiling each test's tiny model
+# would cost seconds per engine.
+os.environ.setdefault("QRUN_ENFORCE_EAGER", "1")
+
 import qrun  # noqa: E402,F401
 import torch  # noqa: E402
 

@@ -1,0 +1,104 @@
+"""Decode steps on the CPU through one `torch.compile`d decoder layer.
+
+In eager mode a decoder layer costs ~50 small torch ops around its matmuls (norms, rotary, casts,
+the cache write, attention's gathers): at one to a few sequences that overhead is as large as the
+matmuls. Inductor fuses them into a few loops. One compiled `DecoderLayer.forward` serves every
+layer (their weights are its inputs) and every batch size and context length (dynamic shapes);
+it runs the padded form of decode attention (`AttentionMetadata.padded_decode`), so it applies to
+steps where every sequence decodes one token and their context lengths are close.
+
+Compiling takes 4-7 s (less once Inductor's on-disk cache holds the graphs), the time of a few
+hundred eager decode steps, so an engine starts compiling only once it has run
+COMPILE_AFTER_DECODE_STEPS of them, and in a background thread over a scratch cache: steps keep
+running eager until the compiled layer is ready, and a one-off short generation never waits for
+a compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from typing import Callable
+
+import torch
+from torch import nn
+
+from qrun.config import ModelConfig
+from qrun.kv_cache import KVCache, KVCacheSpec
+from qrun.model import AttentionMetadata, DecoderLayer, Transformer
+from qrun.quant import QuantLinear
+
+log = logging.getLogger("qrun")
+
+# Padding every sequence to the longest context may add at most this share of keys: the compiled
+# step is 1.1-1.6x faster than eager on SmolLM2 at 1-32 sequences, and padding costs attention
+# reads that eager mode's grouped plan avoids.
+MAX_DECODE_PADDING = 1.5
+COMPILE_AFTER_DECODE_STEPS = 256  # see the module's docstring
+# Batch sizes that need graphs of their own: 1 (Dynamo specialises size 1), 2 (dense linears take
+# the float16 GEMV path up to cpu_gemv.GEMV_ROWS) and 3 and more.
+WARM_UP_BATCHES = (1, 2, 3)
+
+
+def can_compile(model: nn.Module, device: torch.device, cache: KVCacheSpec) -> bool:
+    """Whether decode steps can run compiled here: on the CPU (GPUs run the Triton kernels), for
+    dense weights, over a float cache, with a C++ compiler for Inductor. Mixed-bit layers differ
+    from each other in structure (group sizes, permutations, 5-8-bit parts), so one compiled layer
+    would recompile for most of them: quantized models run eager."""
+    return (device.type == "cpu" and not cache.quantized
+            and not any(isinstance(module, QuantLinear) for module in model.modules())
+            and any(shutil.which(name) for name in ("g++", "c++", "clang++")))
+
+
+class CompiledDecode:
+    """The compiled decoder layer of one engine: when to compile it, and when a step may use it."""
+
+    def __init__(self, model: Transformer, config: ModelConfig, cache: KVCacheSpec, block_size: int):
+        self.model, self.config, self.cache, self.block_size = model, config, cache, block_size
+        self.layer: Callable | None = None  # set by the compile thread once every warm-up graph is built
+        self.decode_steps = 0
+        self._started = False
+
+    def layer_for(self, spans: list[tuple[int, int]]) -> Callable | None:
+        """The compiled layer if a step computing `spans` (start, end per sequence) should run it."""
+        if any(end - start != 1 for start, end in spans):
+            return None
+        self.decode_steps += 1
+        if not self._started and self.decode_steps > COMPILE_AFTER_DECODE_STEPS:
+            self.start()
+        longest = max(-(-end // self.block_size) for _, end in spans) * self.block_size
+        if longest * len(spans) > MAX_DECODE_PADDING * sum(end for _, end in spans):
+            return None
+        return self.layer
+
+    def start(self) -> threading.Thread:
+        """Compile in the background; the thread sets `layer` when done."""
+        self._started = True
+        thread = threading.Thread(target=self._compile, name="qrun-compile", daemon=True)
+        thread.start()
+        return thread
+
+    def disable(self) -> None:
+        """Run eager from now on (the compiled layer failed)."""
+        self.layer = None
+        self._started = True
+
+    def _compile(self) -> None:
+        # rounding where eager mode rounds keeps the compiled step's greedy tokens those of eager
+        layer = torch.compile(DecoderLayer.forward, dynamic=True, options={"emulate_precision_casts": True})
+        device = self.model.cos_sin.device
+        scratch = KVCache(self.config, 4, self.block_size, self.cache, device)
+        try:
+            with torch.inference_mode():  # as ModelRunner.execute runs: a graph is built per grad mode
+                for batch in WARM_UP_BATCHES:
+                    end = self.block_size + 1
+                    meta = AttentionMetadata.build([(end - 1, end)] * batch, [[0, 1]] * batch, self.block_size,
+                                                   device, padded_decode=True)
+                    self.model(torch.zeros(batch, dtype=torch.int64, device=device),
+                               torch.full((batch,), end - 1, dtype=torch.int64, device=device),
+                               meta, scratch, layer_forward=layer)
+        except Exception:  # a machine whose compiler lacks a piece keeps running eager
+            log.warning("compiling decode steps failed; they stay eager", exc_info=True)
+            return
+        self.layer = layer
