@@ -22,6 +22,7 @@ import threading
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config
 from torch import nn
 
 from qrun.config import ModelConfig
@@ -31,10 +32,13 @@ from qrun.quant import QuantLinear
 
 log = logging.getLogger("qrun")
 
-# Padding every sequence to the longest context may add at most this share of keys: the compiled
-# step is 1.1-1.6x faster than eager on SmolLM2 at 1-32 sequences, and padding costs attention
-# reads that eager mode's grouped plan avoids.
+# Padding every sequence to the longest context costs attention reads that eager mode's grouped
+# plan avoids; a compiled step saves ~7 ms of eager overhead on SmolLM2 (1.3x single stream). A
+# step runs compiled when padding adds at most half the real keys, or at most PADDING_BYTES of
+# K/V reads over all layers (~3 ms at the ~20 GB/s a gather-and-cast reaches here): few
+# sequences of very different lengths still gain.
 MAX_DECODE_PADDING = 1.5
+PADDING_BYTES = 64 << 20
 COMPILE_AFTER_DECODE_STEPS = 256  # see the module's docstring
 # Batch sizes that need graphs of their own: 1 (Dynamo specialises size 1), 2 (dense linears take
 # the float16 GEMV path up to cpu_gemv.GEMV_ROWS) and 3 and more.
@@ -56,6 +60,7 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, config: ModelConfig, cache: KVCacheSpec, block_size: int):
         self.model, self.config, self.cache, self.block_size = model, config, cache, block_size
+        self.token_bytes = cache.bytes_per_token(config)
         self.layer: Callable | None = None  # set by the compile thread once every warm-up graph is built
         self.decode_steps = 0
         self._started = False
@@ -67,8 +72,9 @@ class CompiledDecode:
         self.decode_steps += 1
         if not self._started and self.decode_steps > COMPILE_AFTER_DECODE_STEPS:
             self.start()
-        longest = max(-(-end // self.block_size) for _, end in spans) * self.block_size
-        if longest * len(spans) > MAX_DECODE_PADDING * sum(end for _, end in spans):
+        real = sum(end for _, end in spans)
+        padded = max(-(-end // self.block_size) for _, end in spans) * self.block_size * len(spans)
+        if padded > MAX_DECODE_PADDING * real and (padded - real) * self.token_bytes > PADDING_BYTES:
             return None
         return self.layer
 
@@ -86,19 +92,29 @@ class CompiledDecode:
 
     def _compile(self) -> None:
         # rounding where eager mode rounds keeps the compiled step's greedy tokens those of eager
-        layer = torch.compile(DecoderLayer.forward, dynamic=True, options={"emulate_precision_casts": True})
+        compiled = torch.compile(DecoderLayer.forward, dynamic=True, options={"emulate_precision_casts": True})
         device = self.model.cos_sin.device
         scratch = KVCache(self.config, 4, self.block_size, self.cache, device)
         try:
-            with torch.inference_mode():  # as ModelRunner.execute runs: a graph is built per grad mode
+            # Without duck shapes, sizes that happen to be equal while tracing (a batch of 3 and 3
+            # KV heads) are not assumed equal later: the warm-up's graphs then serve every step.
+            # inference_mode as ModelRunner.execute runs: Dynamo builds a graph per grad mode.
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch.inference_mode():
                 for batch in WARM_UP_BATCHES:
                     end = self.block_size + 1
                     meta = AttentionMetadata.build([(end - 1, end)] * batch, [[0, 1]] * batch, self.block_size,
                                                    device, padded_decode=True)
                     self.model(torch.zeros(batch, dtype=torch.int64, device=device),
                                torch.full((batch,), end - 1, dtype=torch.int64, device=device),
-                               meta, scratch, layer_forward=layer)
+                               meta, scratch, layer_forward=compiled)
         except Exception:  # a machine whose compiler lacks a piece keeps running eager
             log.warning("compiling decode steps failed; they stay eager", exc_info=True)
             return
+
+        def layer(*args):
+            # A step the warm-up's graphs do not cover runs eager rather than stalling the engine
+            # on a compile in the foreground.
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return compiled(*args)
+
         self.layer = layer
