@@ -30,6 +30,7 @@ from qrun.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from qrun.kv_cache import KVCacheSpec
+    from qrun.llm_engine import StepStats
 
 
 @dataclass
@@ -78,39 +79,24 @@ def latency_summary(ttfts: Sequence[float], e2es: Sequence[float]) -> dict[str, 
 
 @contextmanager
 def _instrument(engine, counters: dict[str, Any]) -> Iterator[None]:
-    """Count scheduled tokens and sample KV use after each step, by wrapping the instance methods."""
-    scheduler, block_manager = engine.scheduler, engine.block_manager
-    block_size = block_manager.block_size
-    original_schedule, original_step = scheduler.schedule, engine.step
+    """Count scheduled tokens and follow KV use through the engine's step observers."""
 
-    def schedule():
-        batch = original_schedule()
-        counters["steps"] += 1 if batch else 0
-        counters["tokens_computed"] += batch.total_tokens
-        counters["max_batch_tokens"] = max(counters["max_batch_tokens"], batch.total_tokens)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens  # the step has not run yet; admission already counted hits
-            counters["prefill_computed"] += max(0, min(start + n, len(seq.prompt_token_ids)) - start)
-        return batch
+    def observe(step: "StepStats") -> None:
+        counters["steps"] += 1
+        counters["tokens_computed"] += step.scheduled_tokens
+        counters["max_batch_tokens"] = max(counters["max_batch_tokens"], step.scheduled_tokens)
+        counters["prefill_computed"] += step.prefill_tokens
+        if step.used_blocks > counters["peak_blocks"]:
+            counters["peak_blocks"] = step.used_blocks
+            counters["live_tokens_at_peak"] = step.live_tokens
+            counters["ceil_blocks_at_peak"] = step.partial_blocks
+        counters["peak_running"] = max(counters["peak_running"], step.num_running)
 
-    def step():
-        outputs = original_step()
-        running = scheduler.running
-        live = sum(seq.num_computed_tokens for seq in running)
-        used = block_manager.num_blocks - block_manager.num_free_blocks
-        if used > counters["peak_blocks"]:
-            counters["peak_blocks"] = used
-            counters["live_tokens_at_peak"] = live
-            counters["ceil_blocks_at_peak"] = sum(-(-seq.num_computed_tokens // block_size) for seq in running)
-        counters["peak_running"] = max(counters["peak_running"], len(running))
-        return outputs
-
-    scheduler.schedule, engine.step = schedule, step
+    engine.step_observers.append(observe)
     try:
         yield
-    finally:  # drop the instance attributes; the class methods show through again
-        del scheduler.schedule
-        del engine.step
+    finally:
+        engine.step_observers.remove(observe)
 
 
 def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
@@ -259,144 +245,6 @@ def busy_cores(count: int) -> Iterator[None]:
         for p in procs:
             p.terminate()
             p.join()
-
-
-# -- profiling --------------------------------------------------------------------------------
-
-class _LabelledOps:
-    """Stands in for a model's kernel-ops object, labelling attention calls for the profiler."""
-
-    def __init__(self, ops, label: str):
-        self._ops, self._label = ops, label
-
-    def __getattr__(self, name):
-        import torch
-
-        fn = getattr(self._ops, name)
-        if not callable(fn):
-            return fn
-
-        def wrapped(*args, **kwargs):
-            with torch.profiler.record_function(self._label):
-                return fn(*args, **kwargs)
-        return wrapped
-
-
-@contextmanager
-def _labelled_model(engine) -> Iterator[None]:
-    """Label matmuls (Linear/QuantLinear modules, the LM head), attention ops and sampling."""
-    import torch
-    import qrun.llm_engine as llm_engine
-
-    model = engine.loaded.model
-    handles, patched = [], []
-    active: dict[int, Any] = {}
-
-    def pre(module, args):
-        rf = torch.profiler.record_function("qrun::matmul")
-        rf.__enter__()
-        active.setdefault(id(module), []).append(rf)
-
-    def post(module, args, output):
-        active[id(module)].pop().__exit__(None, None, None)
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "QuantLinear":
-            handles.append(module.register_forward_pre_hook(pre))
-            handles.append(module.register_forward_hook(post))
-        if hasattr(module, "ops") and type(module).__name__ == "Attention":
-            patched.append((module, module.ops))
-            module.ops = _LabelledOps(module.ops, "qrun::attention")
-    original_sample = llm_engine.sample
-
-    def sample(*args, **kwargs):
-        with torch.profiler.record_function("qrun::sample"):
-            return original_sample(*args, **kwargs)
-    llm_engine.sample = sample
-    try:
-        yield
-    finally:
-        llm_engine.sample = original_sample
-        for module, ops in patched:
-            module.ops = ops
-        for handle in handles:
-            handle.remove()
-
-
-def profile_qrun(llm, requests: Sequence[BenchRequest], *, steps: int = 8, skip_steps: int = 4,
-                 top: int = 15) -> dict:
-    """Profile `steps` engine steps (after `skip_steps`) of the workload; abort the rest.
-
-    Returns the top ops by self CPU time and the wall-time split: matmul (Linear modules and the
-    LM head, including any dequantization inside them), attention (rotary, KV store, paged
-    attention), sampling, other torch ops, and Python overhead = wall − time inside torch ops.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = llm.engine
-    engine.block_manager.reset_prefix_cache()
-    ids = [f"profile-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
-    for request_id, r in zip(ids, requests):
-        engine.add_request(request_id, r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
-                                                                ignore_eos=True))
-    try:
-        for _ in range(skip_steps):
-            engine.step()
-        batch_tokens = []
-        original_schedule = engine.scheduler.schedule
-
-        def schedule():
-            batch = original_schedule()
-            batch_tokens.append(batch.total_tokens)
-            return batch
-        engine.scheduler.schedule = schedule
-        try:
-            with _labelled_model(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                wall = time.perf_counter() - t0
-        finally:
-            del engine.scheduler.schedule
-    finally:
-        for request_id in ids:
-            engine.abort(request_id)
-    events = prof.key_averages()
-    labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith("qrun::")}
-    ops = [e for e in events if not e.key.startswith("qrun::") and not e.key.startswith("ProfilerStep")]
-    in_torch = sum(e.self_cpu_time_total for e in ops) / 1e6
-    matmul, attention, sampling = (labels.get(k, 0.0) for k in ("qrun::matmul", "qrun::attention", "qrun::sample"))
-    # Torch ops under a label = the label's inclusive time minus its own (Python glue) time.
-    under_labels = sum(e.cpu_time_total - e.self_cpu_time_total for e in events if e.key.startswith("qrun::")) / 1e6
-    other_torch = max(0.0, in_torch - under_labels)
-    top_ops = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return {
-        "steps": steps,
-        "tokens_per_step": batch_tokens,
-        "wall_s": wall,
-        "torch_ops_s": in_torch,
-        "python_overhead_s": max(0.0, wall - in_torch),
-        "python_overhead_share": max(0.0, wall - in_torch) / wall,
-        "matmul_s": matmul,
-        "attention_s": attention,
-        "sample_s": sampling,
-        "other_torch_s": other_torch,
-        "top_ops": [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count,
-                     "share_of_wall": e.self_cpu_time_total / 1e6 / wall} for e in top_ops],
-    }
-
-
-def format_profile(p: dict) -> str:
-    wall = p["wall_s"]
-    lines = [f"profile: {p['steps']} steps, tokens/step {p['tokens_per_step']}, wall {wall * 1e3:.1f} ms",
-             f"  matmul (Linear + LM head, incl. dequant) {p['matmul_s'] / wall:6.1%}   "
-             f"attention (rotary+store+paged) {p['attention_s'] / wall:6.1%}   sampling {p['sample_s'] / wall:6.1%}",
-             f"  all torch ops {p['torch_ops_s'] / wall:6.1%}   Python overhead (outside torch ops) "
-             f"{p['python_overhead_share']:6.1%}",
-             f"  {'op':<44} {'self ms':>9} {'calls':>7} {'% wall':>7}"]
-    for op in p["top_ops"]:
-        lines.append(f"  {op['op'][:44]:<44} {op['self_cpu_s'] * 1e3:9.2f} {op['calls']:7d} {op['share_of_wall']:7.1%}")
-    return "\n".join(lines)
 
 
 # -- reporting --------------------------------------------------------------------------------

@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.fx.experimental._config
 from torch import nn
 
-from qrun.config import ModelConfig
-from qrun.kv_cache import KVCache, KVCacheSpec
+from qrun.kv_cache import KVCache, KVCacheSpec, LayerKV
 from qrun.model import AttentionMetadata, DecoderLayer, Transformer
 from qrun.quant import QuantLinear
 
@@ -58,9 +58,9 @@ def can_compile(model: nn.Module, device: torch.device, cache: KVCacheSpec) -> b
 class CompiledDecode:
     """The compiled decoder layer of one engine: when to compile it, and when a step may use it."""
 
-    def __init__(self, model: Transformer, config: ModelConfig, cache: KVCacheSpec, block_size: int):
-        self.model, self.config, self.cache, self.block_size = model, config, cache, block_size
-        self.token_bytes = cache.bytes_per_token(config)
+    def __init__(self, model: Transformer, kv_cache: KVCache):
+        self.model, self.kv_cache, self.block_size = model, kv_cache, kv_cache.block_size
+        self.token_bytes = kv_cache.spec.bytes_per_token(model.config)
         self.layer: Callable | None = None  # set by the compile thread once every warm-up graph is built
         self.decode_steps = 0
         self._started = False
@@ -94,7 +94,11 @@ class CompiledDecode:
         # rounding where eager mode rounds keeps the compiled step's greedy tokens those of eager
         compiled = torch.compile(DecoderLayer.forward, dynamic=True, options={"emulate_precision_casts": True})
         device = self.model.cos_sin.device
-        scratch = KVCache(self.config, 4, self.block_size, self.cache, device)
+        # A scratch pool shaped like the real one, so the graphs' guards hold for it: left
+        # uninitialised, only the two warm-up blocks' pages are ever touched, so it takes no memory.
+        pool = self.kv_cache.layers[0]
+        scratch = LayerKV(torch.empty_like(pool.k), torch.empty_like(pool.v))
+        scratch_cache = SimpleNamespace(layers=[scratch] * len(self.kv_cache.layers))
         try:
             # Without duck shapes, sizes that happen to be equal while tracing (a batch of 3 and 3
             # KV heads) are not assumed equal later: the warm-up's graphs then serve every step.
@@ -106,7 +110,7 @@ class CompiledDecode:
                                                    device, padded_decode=True)
                     self.model(torch.zeros(batch, dtype=torch.int64, device=device),
                                torch.full((batch,), end - 1, dtype=torch.int64, device=device),
-                               meta, scratch, layer_forward=compiled)
+                               meta, scratch_cache, layer_forward=compiled)
         except Exception:  # a machine whose compiler lacks a piece keeps running eager
             log.warning("compiling decode steps failed; they stay eager", exc_info=True)
             return

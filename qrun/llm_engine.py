@@ -7,6 +7,7 @@ import os
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -86,6 +87,18 @@ def cache_budget(kv_cache_memory: int | float | None, device: torch.device) -> i
     return int(available_memory(device) * fraction)
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step did, for observers (`LLMEngine.step_observers`): benchmarks, metrics."""
+
+    scheduled_tokens: int  # tokens in the forward pass
+    prefill_tokens: int  # of them, prompt tokens (chunked prefill counts each chunk)
+    num_running: int  # sequences running after the step
+    live_tokens: int  # tokens the running sequences hold in the KV cache
+    partial_blocks: int  # Σ ceil(live tokens / block size) over running sequences: blocks they must hold
+    used_blocks: int  # KV blocks allocated after the step (shared prefix blocks once)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -132,6 +145,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_generated_tokens = 0
         self._grammar_compiler: GrammarCompiler | None = None
+        self.step_observers: list[Callable[[StepStats], None]] = []  # called after every step that ran
         self.cpu_threads = CpuThreads() if self.loaded.device.type == "cpu" else None
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.1f MiB)", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.cache_spec.name,
@@ -230,6 +244,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        prefill_tokens = sum(max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids)) - seq.num_computed_tokens)
+                             for seq, n in zip(batch.seqs, batch.num_tokens)) if self.step_observers else 0
         logits, sampling = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -239,6 +255,8 @@ class LLMEngine:
             tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._token_bitmask(sampling))
             for seq, token, lp in zip(sampling, tokens, logprobs):
                 self._append(seq, token, lp)
+        if self.step_observers:
+            self._observe(batch, prefill_tokens)
         touched = {seq.request_id for seq in batch.seqs}
         outputs = []
         for request_id in touched:
@@ -249,6 +267,18 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _observe(self, batch, prefill_tokens: int) -> None:
+        running = self.scheduler.running
+        block_size = self.block_manager.block_size
+        stats = StepStats(
+            scheduled_tokens=batch.total_tokens, prefill_tokens=prefill_tokens, num_running=len(running),
+            live_tokens=sum(seq.num_computed_tokens for seq in running),
+            partial_blocks=sum(-(-seq.num_computed_tokens // block_size) for seq in running),
+            used_blocks=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+        )
+        for observer in self.step_observers:
+            observer(stats)
 
     def _fork_new_samples(self, sampling: list[Sequence], logits: torch.Tensor):
         """A request with n > 1 forks its other completions when its prompt is done; all share

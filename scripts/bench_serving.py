@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, format_profile, format_table,
-                        latency_summary, load_workload, measure_read_bandwidth, profile_qrun, run_qrun)
+from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, format_table, latency_summary,
+                        load_workload, measure_read_bandwidth, run_qrun)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
@@ -657,6 +657,8 @@ def main(argv=None) -> int:
         if qname is None:
             print("--profile needs qrun or qrun_noprefix among --systems")
         else:
+            from profile_steps import format_profile, profile_qrun
+
             profile = profile_qrun(systems[qname].llm, requests, steps=args.profile_steps)
             print()
             print(format_profile(profile))

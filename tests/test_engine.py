@@ -73,6 +73,23 @@ def test_greedy_n_completions_are_identical_to_n_equals_one(llm):
     assert all(c.token_ids == one.token_ids for c in many.outputs)
 
 
+def test_step_observers_see_every_token_the_engine_computes(llm):
+    batch = prompts(3, seed=99)  # prompts no other test cached
+    seen = []
+    llm.engine.step_observers.append(seen.append)
+    try:
+        llm.generate(batch, SamplingParams(max_tokens=4, **GREEDY), progress=False)
+    finally:
+        llm.engine.step_observers.remove(seen.append)
+    prompt_tokens = sum(map(len, batch))
+    assert sum(step.prefill_tokens for step in seen) == prompt_tokens
+    assert sum(step.scheduled_tokens for step in seen) == prompt_tokens + 3 * (4 - 1)
+    assert seen[-1].num_running == 0 and seen[-1].live_tokens == 0
+    block_size = llm.engine.block_manager.block_size
+    assert all(step.live_tokens <= step.partial_blocks * block_size <= step.used_blocks * block_size
+               for step in seen)
+
+
 def test_prefix_cache_serves_a_repeated_prompt(llm):
     prompt = list(range(100))
     first = llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY), progress=False)[0]
