@@ -61,6 +61,7 @@ class CompiledDecode:
     def __init__(self, model: Transformer, kv_cache: KVCache):
         self.model, self.kv_cache, self.block_size = model, kv_cache, kv_cache.block_size
         self.token_bytes = kv_cache.spec.bytes_per_token(model.config)
+        self.padding_bytes = PADDING_BYTES
         self.layer: Callable | None = None  # set by the compile thread once every warm-up graph is built
         self.decode_steps = 0
         self._started = False
@@ -74,7 +75,7 @@ class CompiledDecode:
             self.start()
         real = sum(end for _, end in spans)
         padded = max(-(-end // self.block_size) for _, end in spans) * self.block_size * len(spans)
-        if padded > MAX_DECODE_PADDING * real and (padded - real) * self.token_bytes > PADDING_BYTES:
+        if padded > MAX_DECODE_PADDING * real and (padded - real) * self.token_bytes > self.padding_bytes:
             return None
         return self.layer
 
