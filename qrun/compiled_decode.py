@@ -7,8 +7,9 @@ layer (their weights are its inputs) and every batch size and context length (dy
 it runs the padded form of decode attention (`AttentionMetadata.padded_decode`), so it applies to
 steps where every sequence decodes one token and their context lengths are close.
 
-Compiling takes 4-7 s (less once Inductor's on-disk cache holds the graphs), the time of a few
-hundred eager decode steps, so an engine starts compiling only once it has run
+Compiling the three graphs takes 12-27 s of one core on a 2-core EPYC (less once Inductor's
+on-disk cache holds them), the time of several hundred eager decode steps, so an engine starts
+compiling only once it has run
 COMPILE_AFTER_DECODE_STEPS of them, and in a background thread over a scratch cache: steps keep
 running eager until the compiled layer is ready, and a one-off short generation never waits for
 a compiler.
