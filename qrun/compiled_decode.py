@@ -46,6 +46,11 @@ COMPILE_AFTER_DECODE_STEPS = 256  # see the module's docstring
 WARM_UP_BATCHES = (1, 2, 3)
 
 
+def has_cpp_compiler() -> bool:
+    """Whether Inductor finds a C++ compiler to build CPU kernels with."""
+    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+
+
 def can_compile(model: nn.Module, device: torch.device, cache: KVCacheSpec) -> bool:
     """Whether decode steps can run compiled here: on the CPU (GPUs run the Triton kernels), for
     dense weights, over a float cache, with a C++ compiler for Inductor. Mixed-bit layers differ
@@ -53,7 +58,7 @@ def can_compile(model: nn.Module, device: torch.device, cache: KVCacheSpec) -> b
     would recompile for most of them: quantized models run eager."""
     return (device.type == "cpu" and not cache.quantized
             and not any(isinstance(module, QuantLinear) for module in model.modules())
-            and any(shutil.which(name) for name in ("g++", "c++", "clang++")))
+            and has_cpp_compiler())
 
 
 class CompiledDecode:

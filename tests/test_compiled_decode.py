@@ -39,6 +39,10 @@ def test_padded_decode_attention_equals_the_paged_reference(dtype):
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+needs_compiler = pytest.mark.skipif(not compiled_decode.has_cpp_compiler(),
+                                    reason="torch.compile on the CPU needs a C++ compiler")
+
+
 def tiny_prompts(n):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 256, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
@@ -53,6 +57,7 @@ def compiled_engine(path, dtype, monkeypatch):
     return llm
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_decode_generates_the_eager_tokens(tiny_llama_dir, dtype, monkeypatch):
     prompts = tiny_prompts(6)
@@ -68,6 +73,7 @@ def test_compiled_decode_generates_the_eager_tokens(tiny_llama_dir, dtype, monke
     assert got == expected
 
 
+@needs_compiler
 def test_an_engine_compiles_only_after_many_decode_steps(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(compiled_decode, "COMPILE_AFTER_DECODE_STEPS", 20)
     started = []
@@ -79,6 +85,7 @@ def test_an_engine_compiles_only_after_many_decode_steps(tiny_llama_dir, monkeyp
     assert started == [21]
 
 
+@needs_compiler
 def test_a_failing_compiled_step_falls_back_to_eager(tiny_llama_dir, monkeypatch):
     def broken(*args):
         raise RuntimeError("no C++ compiler after all")
