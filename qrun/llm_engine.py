@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -244,8 +244,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        prefill_tokens = sum(max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids)) - seq.num_computed_tokens)
-                             for seq, n in zip(batch.seqs, batch.num_tokens)) if self.step_observers else 0
+        prefill_tokens = sum(  # counted before the step advances num_computed_tokens
+            max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids)) - seq.num_computed_tokens)
+            for seq, n in zip(batch.seqs, batch.num_tokens)) if self.step_observers else 0
         logits, sampling = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n

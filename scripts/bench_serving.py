@@ -146,15 +146,6 @@ class HFStaticSystem:
         self.ids: list[list[int]] | None = None
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile decode steps now, as a long-running engine does after its first 256 of them
-        (qrun/compiled_decode.py), so that the timed runs see the steady state."""
-        compiled = self.llm.engine.runner.compiled
-        if compiled is not None and compiled.layer is None:
-            t = time.perf_counter()
-            compiled.start().join()
-            print(f"[{self.name}] compiled decode steps in {time.perf_counter() - t:.1f}s", flush=True)
-
     def run(self, requests: list[BenchRequest]) -> dict:
         if self.ids is None or len(self.ids) != len(requests):
             self.ids = [hf_encode(self.tok, r.prompt) for r in requests]
@@ -218,15 +209,6 @@ class HFContinuousSystem:
                              max_requests_per_batch=max_requests)
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile decode steps now, as a long-running engine does after its first 256 of them
-        (qrun/compiled_decode.py), so that the timed runs see the steady state."""
-        compiled = self.llm.engine.runner.compiled
-        if compiled is not None and compiled.layer is None:
-            t = time.perf_counter()
-            compiled.start().join()
-            print(f"[{self.name}] compiled decode steps in {time.perf_counter() - t:.1f}s", flush=True)
-
     def run(self, requests: list[BenchRequest]) -> dict:
         if self.ids is None or len(self.ids) != len(requests):
             self.ids = [hf_encode(self.tok, r.prompt) for r in requests]
