@@ -14,102 +14,7 @@ import torch
 from qrun.config import ModelConfig
 from qrun.errors import ModelLoadError
 from qrun.gguf import open_gguf
-
-# --------------------------------------------------------------------------- tiny written files
-
-TINY = dict(vocab=32, hidden=32, ffn=64, layers=2, heads=4, kv_heads=2)  # Q8_0 needs rows of 32k
-
-
-def _llama_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in numpy."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _tiny_hf_tensors(seed: int = 0, bias: bool = False) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    h, f, v, hd = TINY["hidden"], TINY["ffn"], TINY["vocab"], TINY["hidden"] // TINY["heads"]
-    kv = TINY["kv_heads"] * hd
-    out = {"model.embed_tokens.weight": rng.standard_normal((v, h)), "model.norm.weight": rng.standard_normal(h),
-           "lm_head.weight": rng.standard_normal((v, h))}
-    for i in range(TINY["layers"]):
-        p = f"model.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": rng.standard_normal(h),
-            p + "post_attention_layernorm.weight": rng.standard_normal(h),
-            p + "self_attn.q_proj.weight": rng.standard_normal((h, h)),
-            p + "self_attn.k_proj.weight": rng.standard_normal((kv, h)),
-            p + "self_attn.v_proj.weight": rng.standard_normal((kv, h)),
-            p + "self_attn.o_proj.weight": rng.standard_normal((h, h)),
-            p + "mlp.gate_proj.weight": rng.standard_normal((f, h)),
-            p + "mlp.up_proj.weight": rng.standard_normal((f, h)),
-            p + "mlp.down_proj.weight": rng.standard_normal((h, f)),
-        })
-        if bias:
-            out.update({p + "self_attn.q_proj.bias": rng.standard_normal(h),
-                        p + "self_attn.k_proj.bias": rng.standard_normal(kv),
-                        p + "self_attn.v_proj.bias": rng.standard_normal(kv)})
-    return {k: v.astype(np.float32) for k, v in out.items()}
-
-
-_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def _gguf_name(hf: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf in fixed:
-        return fixed[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
-
-
-def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], quant: bool = False,
-                tokenizer: dict | None = None, extra: dict[str, np.ndarray] | None = None,
-                rope_theta: float = 10000.0) -> None:
-    """Write `tensors` (HF names and layout) the way convert_hf_to_gguf.py would: renamed, Llama's
-    q/k permuted, 2-D weights Q8_0 when `quant` (norms and biases stay F32)."""
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(TINY["layers"])
-    w.add_context_length(128)
-    w.add_embedding_length(TINY["hidden"])
-    w.add_feed_forward_length(TINY["ffn"])
-    w.add_head_count(TINY["heads"])
-    w.add_head_count_kv(TINY["kv_heads"])
-    w.add_rope_freq_base(rope_theta)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(TINY["vocab"])
-    tok = tokenizer or {"model": "gpt2", "tokens": [f"t{i}" for i in range(TINY["vocab"])], "merges": []}
-    w.add_tokenizer_model(tok["model"])
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok.get("types", [1] * len(tok["tokens"])))
-    if "scores" in tok:
-        w.add_token_scores(tok["scores"])
-    if tok.get("merges"):
-        w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(tok.get("bos", 0))
-    w.add_eos_token_id(tok.get("eos", 1))
-    w.add_chat_template("{{ messages }}")
-    for name, value in tensors.items():
-        if arch == "llama" and "q_proj" in name:
-            value = _llama_permute(value, TINY["heads"], TINY["heads"])
-        elif arch == "llama" and "k_proj" in name:
-            value = _llama_permute(value, TINY["heads"], TINY["kv_heads"])
-        if quant and value.ndim == 2:
-            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(value))
-    for name, value in (extra or {}).items():
-        w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+from tiny_gguf import TINY, llama_permute, tiny_hf_tensors, write_gguf
 
 
 def _q8_roundtrip(x: np.ndarray) -> np.ndarray:
@@ -119,8 +24,8 @@ def _q8_roundtrip(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("quant", [False, True], ids=["f32", "q8_0"])
 def test_written_llama_round_trips_to_hf_tensors(tmp_path, quant):
-    hf = _tiny_hf_tensors()
-    _write_gguf(tmp_path / "tiny.gguf", "llama", hf, quant=quant)
+    hf = tiny_hf_tensors()
+    write_gguf(tmp_path / "tiny.gguf", "llama", hf, quant=quant)
     got = dict(open_gguf(tmp_path / "tiny.gguf").tensors())
     assert set(got) == set(hf)
     for name, want in hf.items():
@@ -133,19 +38,19 @@ def test_written_llama_round_trips_to_hf_tensors(tmp_path, quant):
 
 
 def test_q_proj_permutation_is_undone(tmp_path):
-    hf = _tiny_hf_tensors(seed=1)
-    _write_gguf(tmp_path / "tiny.gguf", "llama", hf)
+    hf = tiny_hf_tensors(seed=1)
+    write_gguf(tmp_path / "tiny.gguf", "llama", hf)
     got = dict(open_gguf(tmp_path / "tiny.gguf").tensors())
     q = hf["model.layers.0.self_attn.q_proj.weight"]
-    assert not np.array_equal(_llama_permute(q, TINY["heads"], TINY["heads"]), q)  # the test means something
+    assert not np.array_equal(llama_permute(q, TINY["heads"], TINY["heads"]), q)  # the test means something
     np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"].numpy(), q)
     np.testing.assert_array_equal(got["model.layers.1.self_attn.k_proj.weight"].numpy(),
                                   hf["model.layers.1.self_attn.k_proj.weight"])
 
 
 def test_qwen2_keeps_qk_rows_and_biases_as_written(tmp_path):
-    hf = _tiny_hf_tensors(seed=2, bias=True)
-    _write_gguf(tmp_path / "qwen.gguf", "qwen2", hf)
+    hf = tiny_hf_tensors(seed=2, bias=True)
+    write_gguf(tmp_path / "qwen.gguf", "qwen2", hf)
     model = open_gguf(tmp_path / "qwen.gguf")
     assert model.hf_config["architectures"] == ["Qwen2ForCausalLM"]
     got = dict(model.tensors())
@@ -155,7 +60,7 @@ def test_qwen2_keeps_qk_rows_and_biases_as_written(tmp_path):
 
 
 def test_written_file_config_is_hf_shaped_and_untied_with_output_weight(tmp_path):
-    _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_hf_tensors())
+    write_gguf(tmp_path / "tiny.gguf", "llama", tiny_hf_tensors())
     model = open_gguf(tmp_path / "tiny.gguf")
     cfg = ModelConfig.from_hf(model.hf_config)
     assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == \
@@ -183,7 +88,7 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path):
             smooth = (original / wavelen - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     assert len(set(divisors)) == 3  # all three regimes are exercised
-    _write_gguf(tmp_path / "l3.gguf", "llama", _tiny_hf_tensors(),
+    write_gguf(tmp_path / "l3.gguf", "llama", tiny_hf_tensors(),
                 extra={"rope_freqs.weight": np.array(divisors, np.float32)}, rope_theta=theta)
     model = open_gguf(tmp_path / "l3.gguf")
     assert model.hf_config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -193,7 +98,7 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path):
 
 
 def test_unsupported_architecture_is_named_in_the_error(tmp_path):
-    _write_gguf(tmp_path / "phi.gguf", "phi3", {"model.norm.weight": np.ones(32, np.float32)})
+    write_gguf(tmp_path / "phi.gguf", "phi3", {"model.norm.weight": np.ones(32, np.float32)})
     with pytest.raises(ModelLoadError, match=r"'phi3'.*llama.*qwen2"):
         open_gguf(tmp_path / "phi.gguf")
 
@@ -206,7 +111,7 @@ def test_bad_magic_is_reported_as_corrupt(tmp_path):
 
 
 def test_truncated_written_file_is_reported_as_corrupt(tmp_path):
-    _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_hf_tensors())
+    write_gguf(tmp_path / "tiny.gguf", "llama", tiny_hf_tensors())
     data = (tmp_path / "tiny.gguf").read_bytes()
     for cut in (len(data) // 2, len(data) - 1, 40):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
@@ -238,10 +143,10 @@ def _spm_vocab() -> dict:
 def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     tok = _spm_vocab()
-    hf = _tiny_hf_tensors()
+    hf = tiny_hf_tensors()
     hf["model.embed_tokens.weight"] = np.zeros((len(tok["tokens"]), TINY["hidden"]), np.float32)
     hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-    _write_gguf(tmp_path / "spm.gguf", "llama", hf, tokenizer=tok)
+    write_gguf(tmp_path / "spm.gguf", "llama", hf, tokenizer=tok)
     model = open_gguf(tmp_path / "spm.gguf")
     assert model.tokenizer_config["add_bos_token"] is True  # llama.cpp's default for sentencepiece
     ours = model.tokenizer()
