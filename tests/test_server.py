@@ -234,6 +234,7 @@ def test_disconnect_mid_stream_frees_blocks(url):
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "n": "two"}, "n"),
+    ({"prompt": "x", "n": 1.5}, "n"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "x", "top_k": 0}, "top_k"),
     ({"prompt": "x", "stop": 5}, "stop"),
@@ -267,6 +268,20 @@ def test_a_body_that_is_no_json_object_is_400_in_openai_shape(url, raw, content_
     error = reply["error"]
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] is None
     assert "body" in error["message"]
+
+
+def test_unknown_endpoints_and_methods_answer_in_openai_shape(url):
+    status, _, reply = request(url, "/v1/engines")
+    assert status == 404 and "/v1/engines" in reply["error"]["message"] and reply["error"]["code"] == 404
+    status, headers, reply = request(url, "/v1/completions")  # GET
+    assert status == 405 and "GET" in reply["error"]["message"] and headers["allow"] == "POST"
+
+
+def test_whole_number_floats_are_integers_as_json_schema_says(url):
+    status, _, reply = request(url, "/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 2.0, "n": 2.0,
+                                                        "top_k": -1.0, "seed": 7.0, "logprobs": 1.0})
+    assert status == 200, reply
+    assert len(reply["choices"]) == 2 and reply["usage"]["completion_tokens"] == 4
 
 
 def test_null_fields_take_their_defaults_and_the_largest_values_are_served(url):

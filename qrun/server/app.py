@@ -10,7 +10,6 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -214,7 +213,9 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:
         if err.status_code == 400:  # FastAPI could not decode the body (not UTF-8, say)
             return (server.auth_error(request) or ApiError(400, NOT_JSON)).response()
-        return await http_exception_handler(request, err)
+        # routing errors (404, 405) in OpenAI's shape too: clients parse every error alike
+        message = f"{err.detail}: {request.method} {request.url.path} (the endpoints are listed in /openapi.json)"
+        return ApiError(err.status_code, message, headers=err.headers).response()
 
     @app.get("/health")
     async def health() -> dict:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Sequence
 
 from fastapi.responses import JSONResponse
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from qrun.sampling_params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams, StructuredOutputsParams
@@ -83,8 +83,15 @@ def _one_of(shapes: str) -> WrapValidator:
 
 
 # -- request bodies ---------------------------------------------------------------------------
+def _whole_number(value: Any) -> Any:
+    # JSON Schema's "integer" is any number without a fraction: 2.0 is one (clients and
+    # schema-driven tools send it), 2.5 and "2" are not (strict validation rejects them).
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_whole_number)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[Integer, Field(ge=0)]], Field(min_length=1)]
 Prompt = Annotated[
     NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
     | Annotated[list[TokenIds], Field(min_length=1)],
@@ -148,21 +155,21 @@ class SamplingRequest(RequestBody):
 
     model: str | None = Field(None, description="ignored: the server serves one model")
     user: str | None = Field(None, description="ignored")
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
         None, description="default: all the model's context (or the KV cache) leaves after the prompt")
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
         None, description="the newer name of max_tokens; wins over it")
-    min_tokens: Annotated[int, Field(ge=0)] | None = Field(0, description="at most max_tokens")
+    min_tokens: Annotated[Integer, Field(ge=0)] | None = Field(0, description="at most max_tokens")
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(1.0, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
-    top_k: Annotated[Literal[-1] | Annotated[int, Field(ge=1)],
+    top_k: Annotated[Literal[-1] | Annotated[int, Field(ge=1)], BeforeValidator(_whole_number),
                      _one_of("-1 (disabled) or an integer >= 1")] | None = -1
     min_p: Annotated[float, Field(ge=0, le=1)] | None = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] | None = Field(1.0, description="1: none")
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(1, description="choices per prompt")
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    n: Annotated[Integer, Field(ge=1, le=MAX_N)] | None = Field(1, description="choices per prompt")
+    seed: Annotated[Integer, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: Annotated[NonEmptyStr | list[NonEmptyStr], _one_of("a non-empty string or a list of them")] | None = None
     ignore_eos: bool | None = False
     stream: bool | None = Field(False, description="answer as server-sent events")
@@ -219,9 +226,9 @@ class CompletionRequest(SamplingRequest):
     """The body of POST /v1/completions."""
 
     prompt: Prompt = Field(description="one prompt or a batch; each gets n choices")
-    max_tokens: Annotated[int, Field(ge=1)] | None = COMPLETION_MAX_TOKENS
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = COMPLETION_MAX_TOKENS
     echo: bool | None = Field(False, description="put the prompt before each choice's text")
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="log probabilities of the sampled tokens and this many alternatives")
 
     def prompts(self) -> list[str | list[int]]:
@@ -278,5 +285,5 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     logprobs: bool | None = Field(False, description="log probabilities of the sampled tokens")
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    top_logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         0, description="with logprobs: this many alternatives per token")
