@@ -11,3 +11,7 @@ class ModelLoadError(QrunError):
 
 class RequestError(QrunError, ValueError):
     """A request can never be served (too long for the context or the KV cache)."""
+
+
+class RequestFailed(QrunError):
+    """The engine failed a request while serving it (`RequestOutput.error` says why)."""

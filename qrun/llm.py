@@ -7,6 +7,7 @@ from typing import Iterator, Sequence as Seq
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from qrun.errors import RequestFailed
 from qrun.llm_engine import EngineConfig, LLMEngine
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
@@ -24,7 +25,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, progress: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion, batched continuously; outputs in input order."""
+        """Run every prompt to completion, batched continuously; outputs in input order.
+
+        A request the engine fails (a fault in its own processing, or a failed forward pass of
+        its step) ends with finish_reason "error" and `error` saying why; the others run on.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -34,33 +39,35 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         engine = self.engine
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        finished: dict[str, RequestOutput] = {}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 engine.add_request(request_id, prompt, p)
-        except Exception:
+            with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not progress,
+                          transient=True) as bar:
+                task = bar.add_task("", total=len(ids), rate="")
+                start_tokens = engine.num_generated_tokens
+                start = bar.get_time()
+                while len(finished) < len(ids):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                    elapsed = max(bar.get_time() - start, 1e-9)
+                    bar.update(task, completed=len(finished),
+                               rate=f"{(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s")
+        finally:  # an invalid prompt or a failed step: nobody will collect the others' answers
             for request_id in ids:
-                engine.abort(request_id)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                      TimeRemainingColumn(), disable=not progress, transient=True) as bar:
-            task = bar.add_task("", total=len(ids), rate="")
-            start_tokens = engine.num_generated_tokens
-            start = bar.get_time()
-            while len(finished) < len(ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                elapsed = max(bar.get_time() - start, 1e-9)
-                bar.update(task, completed=len(finished),
-                           rate=f"{(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s")
+                if request_id not in finished:
+                    engine.abort(request_id)
         return [finished[request_id] for request_id in ids]
 
     def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                        ) -> Iterator[RequestOutput]:
         """Yield one request's cumulative output after every step that advances it.
 
-        Closing the iterator early aborts the request and frees its blocks.
+        Closing the iterator early aborts the request and frees its blocks. A request the engine
+        fails ends with finish_reason "error" and `error` saying why.
         """
         engine = self.engine
         request_id = f"stream-{next(self._ids)}"
@@ -76,9 +83,14 @@ class LLM:
             engine.abort(request_id)  # a no-op once finished
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one completion as it is produced (stop strings already cut)."""
+        """Yield the text of one completion as it is produced (stop strings already cut).
+
+        Raises RequestFailed if the engine fails the request (text alone cannot say so).
+        """
         sent = 0
         for output in self.stream_outputs(prompt, sampling_params):
             if len(output.text) > sent:
                 yield output.text[sent:]
                 sent = len(output.text)
+            if output.error is not None:
+                raise RequestFailed(output.error)

@@ -6,8 +6,9 @@ import itertools
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -108,10 +109,12 @@ class Request:
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
     matcher: Matcher | None = None  # its grammar before any output: each completion starts from a copy
+    error: str | None = None  # why the engine failed it (LLMEngine._fail)
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+        # A request failed before its prompt was done never forks its other completions.
+        return (self.error is not None or len(self.seqs) == self.params.n) and all(s.finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
         first = self.seqs[0]
@@ -124,7 +127,7 @@ class Request:
             num_cached_tokens=first.num_cached_tokens,
         )
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.completion() for s in self.seqs], self.finished, metrics)
+                             [s.completion() for s in self.seqs], self.finished, metrics, self.error)
 
 
 class LLMEngine:
@@ -233,6 +236,19 @@ class LLMEngine:
                 seq.finish("abort")
                 self.scheduler.finish(seq)
 
+    def _fail(self, request_id: str, reason: str, cause: BaseException | None = None) -> None:
+        """End a request the engine cannot serve: its unfinished completions finish with "error",
+        their blocks go back, and its output's `error` says `reason` (logged, with `cause`'s
+        traceback). `_outputs` then reports it finished."""
+        request = self.requests[request_id]
+        if request.error is None:
+            request.error = reason
+            log.error("request %s failed: %s", request_id, reason, exc_info=cause)
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish("error")
+                self.scheduler.finish(seq)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -247,20 +263,26 @@ class LLMEngine:
         prefill_tokens = sum(  # counted before the step advances num_computed_tokens
             max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids)) - seq.num_computed_tokens)
             for seq, n in zip(batch.seqs, batch.num_tokens)) if self.step_observers else 0
-        logits, sampling = self.runner.execute(batch)
+        try:
+            logits, sampling = self.runner.execute(batch)
+        except Exception as err:  # noqa: BLE001 - which request caused it is unknowable: all of the step's fail
+            log.exception("the forward pass failed")
+            for seq in batch.seqs:
+                self._fail(seq.request_id, f"the forward pass failed ({type(err).__name__}: {err})")
+            return self._outputs({seq.request_id for seq in batch.seqs})
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.commit_computed(seq)
         if sampling:
-            sampling, logits = self._fork_new_samples(sampling, logits)
-            tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._token_bitmask(sampling))
-            for seq, token, lp in zip(sampling, tokens, logprobs):
-                self._append(seq, token, lp)
+            self._sample_and_append(sampling, logits)
         if self.step_observers:
             self._observe(batch, prefill_tokens)
-        touched = {seq.request_id for seq in batch.seqs}
+        return self._outputs({seq.request_id for seq in batch.seqs})
+
+    def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
+        """The current outputs of these requests; finished ones are forgotten once reported."""
         outputs = []
-        for request_id in touched:
+        for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
                 continue
@@ -268,6 +290,60 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    @contextmanager
+    def _isolated(self, seq: Sequence, stage: str) -> Iterator[None]:
+        """Run one request's share of a step: an exception fails that request alone."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - one request's fault must not stop the others
+            self._fail(seq.request_id, f"{stage} failed ({type(err).__name__}: {err})", err)
+
+    def _sample_and_append(self, sampling: list[Sequence], logits: torch.Tensor) -> None:
+        sampling, logits = self._fork_new_samples(sampling, logits)
+        # A row's sum is finite only if all its logits are (or they are so large that it
+        # overflows: garbage too). Measured on one core for 64 x 49,152 logits: 0.2 ms, against
+        # 8 ms for isfinite().all() per row.
+        for seq, finite in zip(sampling, logits.sum(dim=-1).isfinite().tolist()):
+            if not finite:
+                self._fail(seq.request_id, "the model's logits hold NaN or infinite values")
+        sampling, logits = _unfailed(sampling, logits)
+        bitmask = self._token_bitmask(sampling)
+        sampling, logits = _unfailed(sampling, logits)
+        if not sampling:
+            return
+        tokens, logprobs = self._sample(logits, sampling, bitmask)
+        for seq, token, lp in zip(sampling, tokens, logprobs):
+            if seq.finished:  # its sampling failed, or a sibling's token failed the request
+                continue
+            with self._isolated(seq, "processing the sampled token"):
+                self._append(seq, token, lp)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence], bitmask: torch.Tensor | None
+                ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Sample the batch; if that fails, sample its rows one at a time so only the requests
+        whose rows fail do. Seeded rows then draw what the batch would have drawn."""
+        generators = [(seq.generator, seq.generator.get_state()) for seq in sampling if seq.generator is not None]
+        try:
+            return sample(logits, sampling, self.eos_token_ids, bitmask)
+        except Exception:  # noqa: BLE001 - isolated row by row below
+            log.warning("sampling a batch failed; sampling its %d rows one at a time", len(sampling), exc_info=True)
+        for generator, state in generators:
+            generator.set_state(state)
+        tokens: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        constrained_rows = itertools.count()
+        for row, seq in enumerate(sampling):
+            mask = None
+            if seq.matcher is not None:
+                constrained = next(constrained_rows)
+                mask = bitmask[constrained:constrained + 1]
+            token, lp = -1, None  # kept only if sampling the row succeeds
+            with self._isolated(seq, "sampling"):
+                [token], [lp] = sample(logits[row:row + 1], [seq], self.eos_token_ids, mask)
+            tokens.append(token)
+            logprobs.append(lp)
+        return tokens, logprobs
 
     def _observe(self, batch, prefill_tokens: int) -> None:
         running = self.scheduler.running
@@ -290,7 +366,11 @@ class LLMEngine:
             seqs.append(seq)
             request = self.requests[seq.request_id]
             if seq.index == 0 and len(request.seqs) < request.params.n and not seq.output_token_ids:
-                children = [self._new_sequence(request, index) for index in range(1, request.params.n)]
+                children = []
+                with self._isolated(seq, "starting its other completions"):
+                    children = [self._new_sequence(request, index) for index in range(1, request.params.n)]
+                if seq.finished:
+                    continue
                 self.scheduler.fork(seq, children)
                 request.seqs += children
                 rows += [row] * len(children)
@@ -301,14 +381,19 @@ class LLMEngine:
 
     def _token_bitmask(self, sampling: list[Sequence]) -> torch.Tensor | None:
         """The tokens each structured-output sequence may sample now, one row each in batch
-        order; None when none has a grammar."""
-        matchers = [seq.matcher for seq in sampling if seq.matcher is not None]
-        if not matchers:
+        order; None when none has a grammar. A matcher that fails fails its request, whose row
+        is left out."""
+        constrained = [seq for seq in sampling if seq.matcher is not None]
+        if not constrained:
             return None
-        bitmask = self.grammar_compiler.bitmask(len(matchers))
-        for row, matcher in enumerate(matchers):
-            matcher.fill_bitmask(bitmask, row)
-        return bitmask
+        bitmask = self.grammar_compiler.bitmask(len(constrained))
+        for row, seq in enumerate(constrained):
+            with self._isolated(seq, "the structured-output grammar"):
+                seq.matcher.fill_bitmask(bitmask, row)
+        kept = [row for row, seq in enumerate(constrained) if not seq.finished]
+        if len(kept) == len(constrained):
+            return bitmask
+        return bitmask[kept] if kept else None
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         params = seq.params
@@ -361,3 +446,11 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "generated_tokens": self.num_generated_tokens,
         }
+
+
+def _unfailed(sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    """The rows of sequences still running (a failed request's have finished)."""
+    rows = [row for row, seq in enumerate(sampling) if not seq.finished]
+    if len(rows) == len(sampling):
+        return sampling, logits
+    return [sampling[row] for row in rows], logits[rows]

@@ -49,12 +49,22 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+def _rewrites_logits(seq: Sequence) -> bool:
+    """Whether penalties, held-back stop tokens or a grammar change this row before sampling."""
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+            or len(seq.output_token_ids) < p.min_tokens or seq.matcher is not None)
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
            token_bitmask: torch.Tensor | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
     """One token per row of `logits` ([B, V] float32), and its logprobs where asked for.
     `token_bitmask` ([C, words] int32) holds the tokens allowed to each of the C sequences that
-    have a grammar, in batch order."""
+    have a grammar, in batch order. `logits` is left as it was, so a caller can sample a row
+    again (the engine does, one row at a time, when a batch fails)."""
+    if any(_rewrites_logits(seq) for seq in seqs):  # copied only then: a greedy free batch pays nothing
+        logits = logits.clone()
     apply_penalties(logits, seqs)
     suppress_early_stops(logits, seqs, eos_token_ids)
     if token_bitmask is not None:

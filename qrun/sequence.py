@@ -36,7 +36,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "abort", or "error" when the engine failed the request
     logprobs: list[dict[int, float]] | None = None
 
 
@@ -45,9 +45,10 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # a request failed before its prompt was done has only the first
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # why the engine failed the request (its completions end with "error")
 
     # The common n=1 case reads like vLLM's first completion.
     @property
