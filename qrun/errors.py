@@ -15,3 +15,7 @@ class RequestError(QrunError, ValueError):
 
 class RequestFailed(QrunError):
     """The engine failed a request while serving it (`RequestOutput.error` says why)."""
+
+
+class EngineStopped(QrunError):
+    """The engine's loop has stopped (shut down, or failed): it serves no more requests."""

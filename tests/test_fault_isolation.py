@@ -1,17 +1,27 @@
 """Fault isolation: a fault while processing one request fails that request alone; a failed forward
-pass fails the requests of its step; either way their blocks go back and the engine keeps serving."""
+pass fails the requests of its step; either way their blocks go back and the engine keeps serving.
+The engine loop of AsyncLLM never dies silently, and the server reports every failure in OpenAI's
+error shape."""
 
 from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
 
 import pytest
 import torch
 
 from test_engine import GREEDY, llm, prompts  # noqa: F401 - llm is the tiny engine fixture
+from test_server import ENGINE_ARGS, MODEL, live_server, request, wait_idle
 
-from qrun.errors import RequestFailed
+from qrun.async_llm import AsyncLLM
+from qrun.errors import EngineStopped, RequestFailed
 from qrun.llm_engine import LLMEngine
 from qrun.sampling_params import SamplingParams, StructuredOutputsParams
 from qrun.sequence import Sequence
+from qrun.server import build_app
 from qrun.structured_outputs import Matcher
 from qrun.tokenizer import IncrementalDetokenizer
 
@@ -184,4 +194,167 @@ def test_stream_raises_when_its_request_fails(llm, monkeypatch):
         list(llm.stream(BAD_PROMPT, PARAMS))
     monkeypatch.undo()
     assert_engine_clean(llm.engine)
+
+
+# -- the AsyncLLM engine loop -------------------------------------------------------------------
+@pytest.fixture
+def async_llm(tiny_llama_dir):
+    engine = AsyncLLM(str(tiny_llama_dir), **ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+async def _final(engine: AsyncLLM, prompt, params=PARAMS):
+    """The last output of one request, or the exception it raised, within 20 s (never a hang)."""
+    async def run():
+        output = None
+        async for output in engine.generate(prompt, params):
+            pass
+        return output
+
+    try:
+        return await asyncio.wait_for(run(), 20)
+    except (RequestFailed, EngineStopped, RuntimeError, TimeoutError) as err:
+        return err
+
+
+def test_async_llm_reports_a_request_failure_as_its_output_and_serves_on(async_llm, monkeypatch):
+    monkeypatch.setattr(IncrementalDetokenizer, "add", injected)
+    failed = asyncio.run(_final(async_llm, BAD_PROMPT))
+    assert failed.finish_reason == "error" and "injected fault" in failed.error
+    monkeypatch.undo()
+    assert asyncio.run(_final(async_llm, BAD_PROMPT)).finish_reason == "length"
+
+
+def test_a_request_cancelled_while_queued_for_the_engine_does_not_stop_it(async_llm, monkeypatch):
+    # A client that leaves before the engine thread takes its request: the command's future is
+    # cancelled by then, and answering it must not kill the thread.
+    gate = threading.Event()
+    add = async_llm.engine.add_request
+
+    def held_add(*args):  # the first add holds the engine thread until the gate opens
+        gate.wait(10)
+        return add(*args)
+
+    monkeypatch.setattr(async_llm.engine, "add_request", held_add)
+
+    async def main():
+        first = asyncio.create_task(_final(async_llm, GOOD[0]))
+        queued = asyncio.create_task(_final(async_llm, GOOD[1]))
+        await asyncio.sleep(0.2)
+        queued.cancel()
+        await asyncio.sleep(0.1)
+        gate.set()
+        return await first
+
+    assert asyncio.run(main()).finish_reason == "length"
+    assert asyncio.run(_final(async_llm, GOOD[2])).finish_reason == "length"
+    assert_engine_clean(async_llm.engine)
+
+
+def test_a_dead_engine_loop_fails_waiting_and_new_requests_instead_of_hanging(async_llm, monkeypatch):
+    # Anything the loop itself calls may fail: here the statistics it reads between steps.
+    monkeypatch.setattr(async_llm.engine, "stats", injected)
+    failed = asyncio.run(_final(async_llm, GOOD[0]))
+    assert isinstance(failed, EngineStopped) and "injected fault" in str(failed)
+    assert async_llm.stopped_reason is not None and "injected fault" in async_llm.stopped_reason
+    assert isinstance(asyncio.run(_final(async_llm, GOOD[1])), EngineStopped)
+
+
+def test_a_request_after_shutdown_fails_instead_of_hanging(async_llm):
+    async_llm.shutdown()
+    failed = asyncio.run(_final(async_llm, GOOD[0]))
+    assert isinstance(failed, EngineStopped) and "shut down" in str(failed)
+
+
+def test_a_stream_whose_event_loop_closed_is_aborted_and_the_engine_serves_on(async_llm):
+    loop = asyncio.new_event_loop()
+    abandoned = async_llm.generate(BAD_PROMPT, SamplingParams(max_tokens=200, **GREEDY))
+    loop.run_until_complete(abandoned.__anext__())
+    loop.close()  # its consumer never closes the stream: the engine must not keep delivering to it
+    assert asyncio.run(_final(async_llm, GOOD[0])).finish_reason == "length"
+    asyncio.run(_final(async_llm, GOOD[1]))  # the abort runs on the engine thread between steps
+    assert_engine_clean(async_llm.engine)
+    del abandoned
+
+
+# -- the server ---------------------------------------------------------------------------------
+@pytest.fixture
+def served(async_llm):
+    with live_server(build_app(async_llm, model_name=MODEL)) as base:
+        yield base, async_llm.engine
+
+
+def _fail_forward_at(engine: LLMEngine, patch: pytest.MonkeyPatch, produced: int) -> None:
+    """Fail every forward pass that would give a sequence its token number `produced` + 1."""
+    execute = engine.runner.execute
+
+    def faulty_execute(batch):
+        if any(len(seq.output_token_ids) == produced for seq in batch.seqs):
+            raise RuntimeError("injected fault")
+        return execute(batch)
+
+    patch.setattr(engine.runner, "execute", faulty_execute)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["one", "two"], "max_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}),
+])
+def test_a_request_the_engine_fails_is_a_500_in_openai_shape(served, monkeypatch, path, body):
+    url, engine = served
+    _fail_forward_at(engine, monkeypatch, 0)
+    status, _, reply = request(url, path, body)
+    assert status == 500, reply
+    assert reply["error"]["type"] == "server_error" and "forward pass" in reply["error"]["message"]
+    assert reply["error"]["code"] == 500
+    monkeypatch.undo()
+    wait_idle(url)
+    assert_engine_clean(engine)
+    assert request(url, path, body)[0] == 200
+
+
+def test_a_stream_the_engine_fails_ends_with_an_error_event(served, monkeypatch):
+    url, engine = served
+    _fail_forward_at(engine, monkeypatch, 3)
+    conn = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 8, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = [line.removeprefix(b"data: ").decode() for line in resp.read().splitlines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "forward pass" in error["message"]
+    monkeypatch.undo()
+    wait_idle(url)
+    assert_engine_clean(engine)
+
+
+def test_an_engine_step_failure_is_a_500_even_when_it_is_a_value_error(served, monkeypatch):
+    # ValueError is what the engine raises for a request it refuses (a 400); one raised by a
+    # failing step is the server's fault.
+    url, engine = served
+
+    def schedule():
+        raise ValueError("injected fault")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert status == 500 and reply["error"]["type"] == "server_error", reply
+    monkeypatch.undo()
+    assert request(url, "/v1/completions", {"prompt": "x", "max_tokens": 4})[0] == 200
+
+
+def test_health_and_new_requests_are_503_once_the_engine_loop_died(served, monkeypatch):
+    url, engine = served
+    assert request(url, "/health")[0] == 200
+    monkeypatch.setattr(engine, "stats", injected)
+    status, _, reply = request(url, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert status in (500, 503) and reply["error"]["type"] == "server_error", reply
+    status, _, reply = request(url, "/health")
+    assert status == 503 and "injected fault" in reply["error"]["message"]
+    status, _, reply = request(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 503 and reply["error"]["type"] == "server_error"
+    assert "injected fault" in reply["error"]["message"]
 

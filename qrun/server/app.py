@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qrun.async_llm import AsyncLLM
-from qrun.errors import QrunError
+from qrun.errors import EngineStopped, QrunError, RequestError, RequestFailed
 from qrun.sequence import RequestOutput
 from qrun.server.job import Job, PromptOutput, merged_outputs
 from qrun.server.metrics import ServerMetrics
@@ -59,7 +59,10 @@ class Server:
             raise error
 
     def admit(self) -> None:
-        """Requests beyond the engine's sequence slots queue; past max_queue of those, 429."""
+        """503 once the engine has stopped. Requests beyond the engine's sequence slots queue;
+        past max_queue of those, 429."""
+        if self.llm.stopped_reason is not None:
+            raise ApiError(503, self.llm.stopped_reason, kind="server_error")
         if self.in_flight >= self.slots + self.max_queue:
             raise ApiError(429, f"the server queue is full ({self.max_queue} waiting requests); retry later",
                            kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -96,7 +99,7 @@ class Server:
         stream = merged_outputs(self.llm, job)
         try:
             first = await anext(stream)
-        except ValueError as err:  # the engine's RequestError: a prompt it can never serve (too long, empty)
+        except RequestError as err:  # a prompt the engine can never serve (too long, empty)
             await stream.aclose()
             raise ApiError(400, str(err), getattr(err, "param", None)) from None
         except BaseException:
@@ -109,11 +112,12 @@ class Server:
         self.in_flight += 1
         try:
             outputs_stream, first = await self.first_output(job)
-        except ApiError as err:
+        except Exception as err:  # noqa: BLE001 - every failure is answered in OpenAI's shape
+            error = server_error(err)
             self.in_flight -= 1
-            self.finish(job, err.status, {})
-            raise
-        except BaseException:
+            self.finish(job, error.status, {})
+            raise error from None
+        except BaseException:  # cancelled: the client left
             self.in_flight -= 1
             self.finish(job, 500, {})
             raise
@@ -142,7 +146,10 @@ class Server:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
                 return Response(status_code=499)
-            work.result()
+            if (failure := work.exception()) is not None:
+                error = server_error(failure)
+                status = error.status
+                raise error from None
             status = 200
             return JSONResponse(render.answer(job, latest))
         finally:
@@ -171,10 +178,11 @@ class Server:
                 yield sse_event(render.usage_chunk(job, latest))
             yield STREAM_END
             status = 200
-        except Exception as err:  # noqa: BLE001 - a failed engine step, reported to this client only
+        except Exception as err:  # noqa: BLE001 - a failed request, reported to this client only
             # Headers are out: report the failure in-band, as OpenAI does.
-            status = 500
-            yield sse_event(ApiError(500, str(err), kind="server_error").body())
+            error = server_error(err)
+            status = error.status
+            yield sse_event(error.body())
             yield STREAM_END
         finally:
             # Bookkeeping first: under cancellation the await below may not get to run (the
@@ -182,6 +190,19 @@ class Server:
             self.in_flight -= 1
             self.finish(job, status, latest)
             await stream.aclose()
+
+
+def server_error(err: Exception) -> ApiError:
+    """`err` as an answer in OpenAI's shape: a refusal stays as it is; a stopped engine is a 503;
+    a request the engine failed, or anything else, a 500."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, EngineStopped):
+        return ApiError(503, str(err), kind="server_error")
+    if not isinstance(err, RequestFailed):  # logged by the engine; anything else may be a bug here
+        log.error("request failed", exc_info=err)
+    return ApiError(500, str(err) if isinstance(err, QrunError) else f"internal error ({type(err).__name__}: {err})",
+                    kind="server_error")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -218,8 +239,10 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
         return ApiError(err.status_code, message, headers=err.headers).response()
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if llm.stopped_reason is not None:
+            return ApiError(503, llm.stopped_reason, kind="server_error").response()
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from qrun.async_llm import AsyncLLM
+from qrun.errors import RequestFailed
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
 
@@ -30,13 +31,14 @@ class Job:
 async def merged_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[PromptOutput]:
     """Yield (prompt index, output) from all of a job's engine requests as they arrive.
 
-    Leaving early (client gone) cancels the per-prompt tasks, whose generators then abort
-    their engine requests and free the blocks.
+    A request the engine fails raises RequestFailed: the job fails as a whole. Leaving early
+    (client gone, or a failure) cancels the per-prompt tasks, whose generators then abort their
+    engine requests and free the blocks.
     """
     if len(job.prompts) == 1:  # the common case, without tasks in between
         async with contextlib.aclosing(llm.generate(job.prompts[0], job.params, job.request_id)) as stream:
             async for output in stream:
-                yield 0, output
+                yield 0, _succeeded(output)
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -44,7 +46,7 @@ async def merged_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[PromptOutput]
         try:
             async with contextlib.aclosing(llm.generate(prompt, job.params, f"{job.request_id}-{index}")) as stream:
                 async for output in stream:
-                    queue.put_nowait((index, output))
+                    queue.put_nowait((index, _succeeded(output)))
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, who re-raises it
             queue.put_nowait((index, err))
             if isinstance(err, asyncio.CancelledError):
@@ -66,3 +68,9 @@ async def merged_outputs(llm: AsyncLLM, job: Job) -> AsyncIterator[PromptOutput]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _succeeded(output: RequestOutput) -> RequestOutput:
+    if output.error is not None:
+        raise RequestFailed(output.error)
+    return output
