@@ -23,7 +23,7 @@ from qrun.async_llm import AsyncLLM  # noqa: E402
 from qrun.llm import LLM  # noqa: E402
 from qrun.sampling_params import SamplingParams  # noqa: E402
 from qrun.server import build_app  # noqa: E402
-from qrun.server.protocol import MAX_N, SEED_MAX  # noqa: E402
+from qrun.server.protocol import MAX_BODY_BYTES, MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS, SEED_MAX  # noqa: E402
 
 ENGINE_ARGS = dict(device="cpu", kv_cache_memory=4_000_000, max_num_seqs=64, max_num_batched_tokens=512)
 PROMPTS = [f"prompt {i}: the {'quick ' * (i % 5)}brown fox" for i in range(32)]
@@ -235,6 +235,10 @@ def test_disconnect_mid_stream_frees_blocks(url):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "n": "two"}, "n"),
     ({"prompt": "x", "n": 1.5}, "n"),
+    ({"prompt": "x", "n": MAX_N + 1}, "n"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+    ({"prompt": ["x"] * (MAX_PROMPTS + 1)}, "prompt"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "x", "top_k": 0}, "top_k"),
     ({"prompt": "x", "stop": 5}, "stop"),
@@ -268,6 +272,20 @@ def test_a_body_that_is_no_json_object_is_400_in_openai_shape(url, raw, content_
     error = reply["error"]
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] is None
     assert "body" in error["message"]
+
+
+def test_a_body_over_the_limit_is_413_whether_declared_or_chunked(url):
+    body = json.dumps({"prompt": "x" * MAX_BODY_BYTES}).encode()
+    status, reply = post_raw(url, "/v1/completions", body)
+    assert status == 413 and str(MAX_BODY_BYTES) in reply["error"]["message"]
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    chunks = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20))
+    conn.request("POST", "/v1/completions", chunks, {"Content-Type": "application/json"}, encode_chunked=True)
+    response = conn.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == 413
+    conn.close()
+    assert request(url, "/health")[0] == 200
 
 
 def test_unknown_endpoints_and_methods_answer_in_openai_shape(url):

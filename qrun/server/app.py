@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,8 +19,8 @@ from qrun.errors import EngineStopped, QrunError, RequestError, RequestFailed
 from qrun.sequence import RequestOutput
 from qrun.server.job import Job, PromptOutput, merged_outputs
 from qrun.server.metrics import ServerMetrics
-from qrun.server.protocol import (NOT_JSON, ApiError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                  invalid_request)
+from qrun.server.protocol import (MAX_BODY_BYTES, NOT_JSON, ApiError, ChatCompletionRequest, CompletionRequest,
+                                  ErrorResponse, invalid_request)
 from qrun.server.render import STREAM_END, ChatRender, CompletionRender, Render, sse_event, usage
 from qrun.server.tools import ToolCalling
 from qrun.tokenizer import chat_messages
@@ -30,6 +30,43 @@ log = logging.getLogger("qrun.server")
 DEFAULT_MAX_QUEUE = 256
 # Seconds a client told "queue full" should wait; requests here last seconds, not minutes.
 RETRY_AFTER_S = 1
+
+
+class BodyLimit:
+    """ASGI middleware answering 413 to a body over `limit` bytes, by its Content-Length or, sent
+    in chunks, as soon as the chunks pass it: the app never holds more than the limit."""
+
+    def __init__(self, app: Callable, limit: int):
+        self.app, self.limit = app, limit
+        self.message = f"the request body is larger than the server's limit of {limit} bytes"
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._discard_body(receive)
+            return await ApiError(413, self.message).response()(scope, receive, send)
+        received = 0
+
+        async def receive_within_limit() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                if message.get("more_body"):
+                    await self._discard_body(receive)
+                raise StarletteHTTPException(413, self.message)  # answered by the app's handler
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+    @staticmethod
+    async def _discard_body(receive: Callable) -> None:
+        # Read to the end, keeping nothing: a client still sending when the answer comes would
+        # see its connection reset instead of the 413.
+        while (await receive()).get("more_body", False):
+            pass
 
 
 class Server:
@@ -219,6 +256,7 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
     # strict_content_type=False: a body sent without a Content-Type is still read as JSON.
     app = FastAPI(title="qrun", docs_url=None, redoc_url=None, strict_content_type=False)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
@@ -234,8 +272,11 @@ def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAUL
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:
         if err.status_code == 400:  # FastAPI could not decode the body (not UTF-8, say)
             return (server.auth_error(request) or ApiError(400, NOT_JSON)).response()
-        # routing errors (404, 405) in OpenAI's shape too: clients parse every error alike
-        message = f"{err.detail}: {request.method} {request.url.path} (the endpoints are listed in /openapi.json)"
+        # the rest (routing's 404 and 405, BodyLimit's 413) in OpenAI's shape too: clients parse
+        # every error alike
+        message = str(err.detail)
+        if err.status_code in (404, 405):
+            message += f": {request.method} {request.url.path} (the endpoints are listed in /openapi.json)"
         return ApiError(err.status_code, message, headers=err.headers).response()
 
     @app.get("/health")

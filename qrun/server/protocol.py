@@ -12,8 +12,12 @@ from pydantic_core import PydanticCustomError
 
 from qrun.sampling_params import MAX_LOGPROBS, InvalidSamplingParam, SamplingParams, StructuredOutputsParams
 
-# Limits on one request. There is no cap on the body's size or on the number of stop strings.
+# Limits on one request, so that one client cannot take the engine or the server's memory:
+# beyond them the answer is a 400 naming the field (413 for the body).
+MAX_BODY_BYTES = 16 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids
 MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one /v1/completions batch: each is an engine request (times n)
+MAX_STOP_STRINGS = 64  # each is checked after every token
 MAX_TOOLS = 128  # OpenAI's
 MAX_TEMPERATURE = 2.0  # OpenAI's
 # Seeds reach torch as 64-bit integers; /openapi.json states bounds as doubles, and these two
@@ -89,13 +93,18 @@ def _whole_number(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Integer = Annotated[int, BeforeValidator(_whole_number)]
+def integer(**bounds: int) -> Any:
+    """A JSON integer within `bounds` (pydantic's ge, le, ...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[Integer, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 Prompt = Annotated[
-    NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
-    | Annotated[list[TokenIds], Field(min_length=1)],
-    _one_of("a non-empty string, a list of them, a list of token ids (>= 0), or a list of those"),
+    NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)],
+    _one_of(f"a non-empty string, a list of them, a list of token ids (>= 0), or a list of those "
+            f"(at most {MAX_PROMPTS} prompts)"),
 ]
 
 
@@ -155,11 +164,11 @@ class SamplingRequest(RequestBody):
 
     model: str | None = Field(None, description="ignored: the server serves one model")
     user: str | None = Field(None, description="ignored")
-    max_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
+    max_tokens: integer(ge=1) | None = Field(
         None, description="default: all the model's context (or the KV cache) leaves after the prompt")
-    max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
+    max_completion_tokens: integer(ge=1) | None = Field(
         None, description="the newer name of max_tokens; wins over it")
-    min_tokens: Annotated[Integer, Field(ge=0)] | None = Field(0, description="at most max_tokens")
+    min_tokens: integer(ge=0) | None = Field(0, description="at most max_tokens")
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(1.0, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
     top_k: Annotated[Literal[-1] | Annotated[int, Field(ge=1)], BeforeValidator(_whole_number),
@@ -168,9 +177,10 @@ class SamplingRequest(RequestBody):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = Field(1.0, description="1: none")
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
-    n: Annotated[Integer, Field(ge=1, le=MAX_N)] | None = Field(1, description="choices per prompt")
-    seed: Annotated[Integer, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    stop: Annotated[NonEmptyStr | list[NonEmptyStr], _one_of("a non-empty string or a list of them")] | None = None
+    n: integer(ge=1, le=MAX_N) | None = Field(1, description="choices per prompt")
+    seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = None
+    stop: Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)],
+                    _one_of(f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")] | None = None
     ignore_eos: bool | None = False
     stream: bool | None = Field(False, description="answer as server-sent events")
     stream_options: StreamOptions | None = None
@@ -226,9 +236,11 @@ class CompletionRequest(SamplingRequest):
     """The body of POST /v1/completions."""
 
     prompt: Prompt = Field(description="one prompt or a batch; each gets n choices")
-    max_tokens: Annotated[Integer, Field(ge=1)] | None = COMPLETION_MAX_TOKENS
+    max_tokens: integer(ge=1) | None = COMPLETION_MAX_TOKENS
     echo: bool | None = Field(False, description="put the prompt before each choice's text")
-    logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    best_of: integer(ge=1, le=1) | None = Field(
+        None, description="only 1: qrun returns every one of the n choices it samples")
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="log probabilities of the sampled tokens and this many alternatives")
 
     def prompts(self) -> list[str | list[int]]:
@@ -285,5 +297,5 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     logprobs: bool | None = Field(False, description="log probabilities of the sampled tokens")
-    top_logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(
         0, description="with logprobs: this many alternatives per token")
