@@ -4,6 +4,7 @@ routes of `build_app`."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -11,6 +12,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -85,7 +87,9 @@ class Server:
 
     # -- admission --------------------------------------------------------------------------
     def auth_error(self, request: Request) -> ApiError | None:
-        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+        # Compared in constant time, so response times do not reveal how much of a guess was right.
+        given = request.headers.get("authorization", "").encode()
+        if self.api_key is None or hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             return None
         return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                         kind="authentication_error")
@@ -250,13 +254,18 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def build_app(llm: AsyncLLM, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-              model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving `llm`. `max_queue`: requests allowed to wait for an engine slot."""
+              model_name: str | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+    """The FastAPI app serving `llm`. `max_queue`: requests allowed to wait for an engine slot.
+    `cors_origins`: web origins whose pages may call the API from a browser ("*": any); none
+    by default, so browsers let no page read an answer."""
     server = Server(llm, api_key, max_queue, model_name or str(llm.engine.config.model))
     # strict_content_type=False: a body sent without a Content-Type is still read as JSON.
     app = FastAPI(title="qrun", docs_url=None, redoc_url=None, strict_content_type=False)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    if cors_origins:  # added last, so outermost: every answer (a 413 too) is readable by those pages
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
