@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 
-from qrun.errors import QrunError
+from qrun.errors import QrunError, RequestFailed
 from qrun.sampling_params import SamplingParams
 from qrun.tokenizer import chat_messages
 
@@ -222,6 +222,9 @@ class ChatApp:
         except KeyboardInterrupt:
             stream.close()  # aborts the request
             self.console.print("[yellow]interrupted[/yellow]")
+        if output is not None and output.error is not None:
+            session.messages.pop()  # the turn did not happen: the user may ask again
+            raise RequestFailed(f"no answer: {output.error}")
         # A partial answer stays in the conversation: it is what the user saw.
         session.messages.append({"role": "assistant", "content": answer})
         if output is not None:

@@ -18,6 +18,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 # module without torch, so command-line help can offer them without importing it).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 
+# What a config may claim, checked before anything is built from it; no released model comes
+# near. Dimensions up to 2^24 keep every tensor's byte count within int64 (a model is first built
+# on the meta device, sized from the config). The rotary table, max_position_embeddings x head_dim
+# float32, is the one thing built for real from the config alone: at most 2 GiB, which is
+# Llama-3-8B-Gradient-4194k's 4M positions at head_dim 128.
+MAX_DIMENSION = 1 << 24
+MAX_HEAD_DIM = 1024
+MAX_ROTARY_TABLE = 1 << 29  # entries
+
 
 @dataclass
 class ModelConfig:
@@ -46,21 +55,21 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"qrun supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ModelLoadError(f"config field {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2 or self.head_dim > MAX_HEAD_DIM:
+            raise ModelLoadError(f"head_dim {self.head_dim} must be even (rotary embeddings pair its "
+                                 f"dimensions) and at most {MAX_HEAD_DIM}")
+        if self.max_model_len * self.head_dim > MAX_ROTARY_TABLE:
+            raise ModelLoadError(
+                f"a context of {self.max_model_len} positions at head_dim {self.head_dim} needs a rotary table of "
+                f"{self.max_model_len * self.head_dim * 4 / 2**30:.1f} GiB, over qrun's {MAX_ROTARY_TABLE * 4 >> 30} "
+                "GiB; lower max_position_embeddings")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ModelLoadError(
-                    f"unsupported rope_scaling type {kind!r}; qrun supports default, linear and llama3"
-                )
+            _check_rope_scaling(self.rope_scaling)
 
     @property
     def max_model_len(self) -> int:
@@ -74,52 +83,63 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict."""
-        archs = hf.get("architectures") or []
-        if not archs:
-            raise ModelLoadError(
-                "config.json has no 'architectures' entry; "
-                f"qrun supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        arch = archs[0]
+    def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict; errors start with `where` (the file it came from)."""
         try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            eos = hf.get("eos_token_id")
-            sliding = hf.get("sliding_window")
-            if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
-                sliding = None
-            # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`.
-            rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-            theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
-            if rope.get("rope_type", rope.get("type", "default")) == "default":
-                rope = None
-            return cls(
-                architecture=arch,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(theta),
-                rope_scaling=rope,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama may declare them.
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                mlp_bias=bool(hf.get("mlp_bias", False)),
-                sliding_window=int(sliding) if sliding else None,
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            )
-        except KeyError as missing:
-            raise ModelLoadError(f"config.json lacks required field {missing.args[0]!r}") from None
-        except (TypeError, ValueError) as bad:
-            raise ModelLoadError(f"config.json has a malformed field: {bad}") from None
+            return cls._from_hf(hf)
+        except ModelLoadError as err:
+            raise ModelLoadError(f"{where}: {err}") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(hf, dict):
+            raise ModelLoadError(f"holds {_brief(hf)}, not a JSON object")
+        archs = hf.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelLoadError(f"field 'architectures' must be a list of class names, got {_brief(archs)}")
+        if not archs:
+            raise ModelLoadError(f"no 'architectures' entry; qrun supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = archs[0]
+        hidden = _size(hf, "hidden_size")
+        heads = _size(hf, "num_attention_heads")
+        sliding = _size(hf, "sliding_window", None) if hf.get("sliding_window") else None  # 0 or false: no window
+        if arch == "Qwen2ForCausalLM" and not _flag(hf, "use_sliding_window", False):
+            sliding = None
+        # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`.
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"field 'rope_scaling' must be an object, got {_brief(rope)}")
+        theta = _positive(hf, "rope_theta", None) or _positive(rope, "rope_theta", 10000.0)
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = None
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+        if not all(_is_integer(i) and i >= 0 for i in eos_ids):
+            raise ModelLoadError(f"field 'eos_token_id' must be a token id or a list of them, got {_brief(eos)}")
+        bos = hf.get("bos_token_id")
+        if bos is not None and not (_is_integer(bos) and bos >= 0):
+            raise ModelLoadError(f"field 'bos_token_id' must be a token id, got {_brief(bos)}")
+        return cls(
+            architecture=arch,
+            vocab_size=_size(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_size(hf, "intermediate_size"),
+            num_layers=_size(hf, "num_hidden_layers", most=math.inf),  # sizes no tensor; the weights bound it
+            num_heads=heads,
+            num_kv_heads=_size(hf, "num_key_value_heads", heads),
+            head_dim=_size(hf, "head_dim", hidden // heads),
+            rms_norm_eps=_positive(hf, "rms_norm_eps", 1e-5),
+            rope_theta=theta,
+            rope_scaling=rope,
+            max_position_embeddings=_size(hf, "max_position_embeddings", 2048),
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; Llama may declare them.
+            attention_bias=arch == "Qwen2ForCausalLM" or _flag(hf, "attention_bias", False),
+            mlp_bias=_flag(hf, "mlp_bias", False),
+            sliding_window=sliding,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=[int(i) for i in eos_ids],
+        )
 
     def rope_inv_freq(self) -> "list[float]":
         """Inverse frequencies of the rotary embedding, with Llama 3 / linear scaling applied."""
@@ -132,8 +152,7 @@ class ModelConfig:
         if kind != "llama3":
             return inv
         factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
+        low, high = _positive(scaling, "low_freq_factor", 1.0), _positive(scaling, "high_freq_factor", 4.0)
         original = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = original / low, original / high
         scaled = []
@@ -147,3 +166,67 @@ class ModelConfig:
                 smooth = (original / wavelen - low) / (high - low)
                 scaled.append((1 - smooth) * f / factor + smooth * f)
         return scaled
+
+
+_REQUIRED = object()
+
+
+def _brief(value: Any) -> str:
+    """A field's value for a one-line message: repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_integer(value: Any) -> bool:
+    return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and value.is_integer())
+
+
+def _field(fields: dict, key: str, default: Any) -> Any:
+    value = fields.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"required field {key!r} is missing")
+        return default
+    return value
+
+
+def _size(fields: dict, key: str, default: Any = _REQUIRED, most: float = MAX_DIMENSION) -> Any:
+    """A dimension or count: an integer from 1 to `most` (`default` when absent or null; None stays None)."""
+    value = _field(fields, key, default)
+    if value is None:
+        return value
+    if not _is_integer(value) or not 1 <= value <= most:
+        raise ModelLoadError(f"field {key!r} must be an integer from 1 to {most}, got {_brief(value)}")
+    return int(value)
+
+
+def _positive(fields: dict, key: str, default: Any = _REQUIRED) -> Any:
+    """A positive finite number (`default` when absent or null; None stays None)."""
+    value = _field(fields, key, default)
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelLoadError(f"field {key!r} must be a positive finite number, got {_brief(value)}")
+    return float(value)
+
+
+def _flag(fields: dict, key: str, default: bool) -> bool:
+    value = _field(fields, key, default)
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"field {key!r} must be true or false, got {_brief(value)}")
+    return value
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """The rope_scaling fields `rope_inv_freq` divides by are there, positive and finite."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "llama3", "linear"):
+        raise ModelLoadError(f"unsupported rope_scaling type {_brief(kind)}; qrun supports default, linear and llama3")
+    if kind == "default":
+        return
+    _positive(scaling, "factor")
+    if kind == "llama3":
+        _size(scaling, "original_max_position_embeddings")
+        low, high = _positive(scaling, "low_freq_factor", 1.0), _positive(scaling, "high_freq_factor", 4.0)
+        if high <= low:
+            raise ModelLoadError(f"rope_scaling's high_freq_factor ({high}) must exceed its low_freq_factor ({low})")

@@ -9,6 +9,11 @@ class ModelLoadError(QrunError):
     """A model source is missing, corrupt, or of an unsupported kind."""
 
 
+def one_line(err: BaseException) -> str:
+    """An exception's message as one line, for quoting a library's error (theirs may span several)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 class RequestError(QrunError, ValueError):
     """A request can never be served (too long for the context or the KV cache)."""
 

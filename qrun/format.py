@@ -97,11 +97,27 @@ class MatrixLayout:
 
     @classmethod
     def from_json(cls, in_features: int, out_features: int, spec: dict) -> "MatrixLayout":
-        bits: list[int] = []
-        for b, n in spec["bits"]:
-            bits.extend([int(b)] * int(n))
-        return cls(in_features, out_features, int(spec["group_size"]), tuple(bits), bool(spec["asym"]),
-                   bool(spec.get("permuted", True)), bool(spec.get("rotated", False)))
+        """The layout `to_json` wrote. A malformed `spec` is a ValueError saying what is wrong, found
+        before the runs are expanded (a run may claim any number of groups)."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"a layout must be an object, got {type(spec).__name__}")
+        group_size, runs = spec.get("group_size"), spec.get("bits")
+        flags = {key: spec.get(key, default)
+                 for key, default in (("asym", None), ("permuted", True), ("rotated", False))}
+        if not _is_int(group_size) or group_size <= 0 or group_size % CHUNK or in_features % group_size:
+            raise ValueError(f"group_size {group_size!r} is not a positive multiple of {CHUNK} dividing "
+                             f"in_features {in_features}")
+        bad_flags = [key for key, value in flags.items() if not isinstance(value, bool)]
+        if bad_flags:
+            raise ValueError(f"{', '.join(bad_flags)} must be true or false")
+        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 and all(map(_is_int, r))
+                                                 and r[1] > 0 for r in runs):
+            raise ValueError("bits must be a list of [bits, number of groups] runs")
+        claimed, groups = sum(n for _, n in runs), in_features // group_size
+        if claimed != groups:
+            raise ValueError(f"bits runs cover {claimed} groups, the matrix has {groups}")
+        bits = tuple(b for b, n in runs for _ in range(n))
+        return cls(in_features, out_features, group_size, bits, flags["asym"], flags["permuted"], flags["rotated"])
 
     def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor this matrix writes: suffix -> (shape, dtype). Biases are not counted."""
@@ -140,6 +156,10 @@ class MatrixLayout:
             out.append((b, rows))
             rows += self.group_size * b // CHUNK
         return torch.tensor(out, dtype=torch.int32).reshape(-1, 2)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

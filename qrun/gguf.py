@@ -13,16 +13,17 @@ so the rest of qrun loads a GGUF exactly like a safetensors folder.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from qrun.errors import ModelLoadError
+from qrun.errors import ModelLoadError, one_line
 
 # general.architecture -> Hugging Face class. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -66,12 +67,17 @@ _IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "db
 def _reader_class():
     import gguf
 
-    class PlainArrayReader(gguf.GGUFReader):
-        """GGUFReader over a plain-ndarray view of its memory map.
+    class CheckedReader(gguf.GGUFReader):
+        """GGUFReader over a plain-ndarray view of its memory map, whose every read stays inside the file.
 
         The reader slices the map once per metadata part (several per vocabulary string, ~250k for
         a 49k vocabulary), and numpy's memmap subclass costs microseconds per slice in
         `__array_finalize__`; a plain view of the same mapping makes opening ~3.5x faster.
+
+        Past the end of the file gguf's reader gets short (empty) slices and walks on, so a count
+        from a damaged header (a trillion array items) ran for as long as it claimed; here such a
+        read is an error. An array of numbers is read as one slice, where gguf's reader takes a
+        Python step per item: a file's time to open is bounded by its metadata, not by its size.
         """
 
         @property
@@ -82,7 +88,25 @@ def _reader_class():
         def data(self, value: np.ndarray) -> None:
             self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
-    return PlainArrayReader
+        def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > len(self._plain):
+                raise ValueError(f"{int(count)} x {np.dtype(dtype).name} at byte {offset} run past the end of the "
+                                 f"file ({len(self._plain)} bytes)")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+                number = self.gguf_scalar_to_np.get(int(item_type[0]))
+                if number is not None:
+                    items = self._get(orig_offs + 12, number, count[0])
+                    # parts and types as gguf's reader gives them, all items in one part
+                    return (12 + items.nbytes, [item_type, count, items], [2],
+                            [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(int(item_type[0]))])
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return CheckedReader
 
 
 def _corrupt(path: Path, problem: str) -> ModelLoadError:
@@ -122,9 +146,10 @@ class GGUFModel:
                 values = _unpermute(values, kv_heads)
             yield name, torch.from_numpy(values)
 
-    def tensor_names(self) -> list[str]:
-        """The HF names `tensors` yields, read from the index alone."""
-        return [name for name in map(_hf_name, (t.name for t in self._reader.tensors)) if name is not None]
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> HF shape of each tensor `tensors` yields, read from the index alone."""
+        return {_hf_name(t.name): tuple(int(d) for d in reversed(t.shape.tolist()))
+                for t in self._reader.tensors if _hf_name(t.name) is not None}
 
     def _dequantize(self, tensor, shape: tuple[int, ...]) -> np.ndarray:
         """float32 values of one tensor, dequantized a few MiB of rows at a time into the result,
@@ -137,7 +162,9 @@ class GGUFModel:
         step = max(1, (4 << 20) // (4 * rows_out.shape[1]))
         try:
             for start in range(0, rows_out.shape[0], step):
-                chunk = dequantize(rows_in[start:start + step], tensor.tensor_type)
+                # A damaged block's NaN is for the loader to report, naming the tensor, not numpy.
+                with np.errstate(invalid="ignore"):
+                    chunk = dequantize(rows_in[start:start + step], tensor.tensor_type)
                 rows_out[start:start + step] = chunk.reshape(-1, shape[-1])
         except (NotImplementedError, ValueError) as err:
             raise ModelLoadError(
@@ -147,7 +174,12 @@ class GGUFModel:
 
     def tokenizer(self):
         """A `tokenizers.Tokenizer` rebuilt from the vocabulary, merges and token types in the file."""
-        return _build_tokenizer(self._metadata, self.tokenizer_config)
+        try:
+            return _build_tokenizer(self._metadata, self.tokenizer_config)
+        except ModelLoadError as err:
+            raise ModelLoadError(f"{self.path}: {err}") from None
+        except Exception as err:  # the tokenizers library's own errors are plain Exceptions
+            raise ModelLoadError(f"{self.path}: its vocabulary makes no tokenizer ({one_line(err)})") from None
 
 
 def open_gguf(path: str | Path) -> GGUFModel:
@@ -160,18 +192,14 @@ def open_gguf(path: str | Path) -> GGUFModel:
             raise _corrupt(path, "no GGUF magic at the start")
     try:
         reader = _reader_class()(path, "r")
-    except Exception as err:  # the reader raises ValueError/IndexError/struct errors on bad bytes
-        raise _corrupt(path, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'unreadable header'}") from None
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
-            raise _corrupt(path, f"tensor {tensor.name} extends past the end of the file")
-
-    meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+        meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    except Exception as err:  # the reader raises ValueError/IndexError/KeyError/UnicodeError on bad bytes
+        raise _corrupt(path, f"{type(err).__name__}: {one_line(err)}") from None
+    _check_tensor_layout(path, reader)
     arch = meta.get("general.architecture")
     if arch is None:
         raise _corrupt(path, "missing metadata key 'general.architecture'")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; qrun supports {', '.join(sorted(ARCHITECTURES))}"
         )
@@ -180,7 +208,65 @@ def open_gguf(path: str | Path) -> GGUFModel:
         if _hf_name(name) is None and name != "rope_freqs.weight":
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {arch} model")
     hf_config = _hf_config(path, meta, reader, names)
+    _check_vocabulary(path, meta)
     return GGUFModel(path, hf_config, _tokenizer_config(meta), reader, meta)
+
+
+def _check_tensor_layout(path: Path, reader) -> None:
+    """The tensor index by llama.cpp's rules (ggml's gguf.cpp): 1 to 4 dimensions of at least 1,
+    rows of whole quantization blocks, and the data of each tensor where the previous one's ends,
+    padded to the alignment, in index order, the last inside the file. Overlapping tensors, gaps
+    (a tensor retyped to a smaller type) and offsets past the end all break the last rule."""
+    from gguf import GGML_QUANT_SIZES
+
+    expected = 0
+    for tensor in reader.tensors:
+        dims = [int(d) for d in tensor.shape]  # fastest-varying first
+        if not 1 <= len(dims) <= 4 or min(dims) < 1:
+            raise _corrupt(path, f"tensor {tensor.name} has dimensions {dims}")
+        block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        if dims[0] % block:
+            raise _corrupt(path, f"tensor {tensor.name}'s rows of {dims[0]} are not whole {tensor.tensor_type.name} "
+                                 f"blocks of {block}")
+        size = math.prod(dims) // block * block_bytes
+        offset = tensor.data_offset - reader.data_offset
+        if offset != expected:
+            raise _corrupt(path, f"tensor {tensor.name}'s data starts at {offset}, not where the tensor before it "
+                                 f"ends ({expected})")
+        expected += -(-size // reader.alignment) * reader.alignment
+        if tensor.data_offset + size > len(reader.data):
+            raise _corrupt(path, f"tensor {tensor.name} extends past the end of the file")
+
+
+def _check_vocabulary(path: Path, meta: dict) -> None:
+    """The tokenizer metadata `_tokenizer_config` and `_build_tokenizer` read has the types and
+    lengths they need."""
+    tokens = _require(path, meta, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise _corrupt(path, "tokenizer.ggml.tokens is not a list of strings")
+    for key, kind in (("token_type", int), ("scores", float)):
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is not None and not (isinstance(values, list) and len(values) == len(tokens)
+                                       and all(_is_kind(v, kind) for v in values)):
+            raise _corrupt(path, f"tokenizer.ggml.{key} does not hold one number per token")
+    merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise _corrupt(path, "tokenizer.ggml.merges is not a list of strings")
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and not (_is_kind(value, int) and 0 <= value < len(tokens)):
+            raise _corrupt(path, f"tokenizer.ggml.{key} {value!r:.40} is not one of its {len(tokens)} token ids")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise _corrupt(path, f"metadata key {key!r} is not a string")
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    """Whether metadata `value` is a `kind` (int, float or str): an int counts as a float, a bool as neither."""
+    return not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else kind)
 
 
 def _require(path: Path, meta: dict, key: str) -> Any:
@@ -209,13 +295,15 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _hf_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
     arch = meta["general.architecture"]
 
-    def key(suffix: str, default: Any = None, required: bool = False) -> Any:
+    def key(suffix: str, default: Any = None, required: bool = False, kind: type = int) -> Any:
         full = f"{arch}.{suffix}"
-        return _require(path, meta, full) if required else meta.get(full, default)
+        value = _require(path, meta, full) if required else meta.get(full, default)
+        if value is not None and not _is_kind(value, kind):
+            raise _corrupt(path, f"metadata key {full!r} holds {value!r:.40}, not {_KIND_NAMES[kind]}")
+        return value
 
     hidden = int(key("embedding_length", required=True))
     heads = int(key("attention.head_count", required=True))
-    _require(path, meta, "tokenizer.ggml.tokens")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise _corrupt(path, "no token_embd.weight tensor")
@@ -225,14 +313,14 @@ def _hf_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": hf_arch.removesuffix("ForCausalLM").lower(),
-        "vocab_size": int(key("vocab_size") or embed.shape[1]),
+        "vocab_size": int(key("vocab_size") or embed.shape[-1]),
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length", required=True)),
         "num_hidden_layers": int(key("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv") or heads),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5, kind=float)),
+        "rope_theta": float(key("rope.freq_base", 10000.0, kind=float)),
         "rope_scaling": None,
         "max_position_embeddings": int(key("context_length", required=True)),
         "tie_word_embeddings": "output.weight" not in names,
@@ -244,7 +332,7 @@ def _hf_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
         config["head_dim"] = int(head_dim)
     if arch == "qwen2":
         config["use_sliding_window"] = False
-    config["rope_scaling"] = _rope_scaling(path, meta, arch, reader, config)
+    config["rope_scaling"] = _rope_scaling(path, arch, key, reader, config)
     return config
 
 
@@ -254,32 +342,34 @@ def _says_mistral(meta: dict) -> bool:
     return name.lower().startswith("mistral")
 
 
-def _rope_scaling(path: Path, meta: dict, arch: str, reader, config: dict) -> dict | None:
+def _rope_scaling(path: Path, arch: str, key: Callable[..., Any], reader, config: dict) -> dict | None:
     """HF rope_scaling from `<arch>.rope.scaling.*`, or Llama 3's from its rope_freqs tensor.
 
     llama.cpp bakes Llama 3 scaling into per-frequency divisors (rope_freqs.weight) and keeps no
     parameters, so we recover them: the largest divisor is `factor`; the remaining ones are the
     values every Llama 3.x release uses, checked against the stored divisors.
     """
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    rope_type = key("rope.scaling.type", kind=str)
+    factor = key("rope.scaling.factor", kind=float)
+    original = key("rope.scaling.original_context_length")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         from qrun.config import ModelConfig
 
+        if freqs.tensor_type.name != "F32":
+            raise _corrupt(path, f"rope_freqs.weight is {freqs.tensor_type.name}, not F32")
         divisors = np.asarray(freqs.data, dtype=np.float64).reshape(-1)
         scaling = {"rope_type": "llama3", "factor": float(divisors.max()), "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": int(original or 8192)}
         hf = dict(config, rope_scaling=None)
-        plain = np.array(ModelConfig.from_hf(hf).rope_inv_freq())
-        scaled = np.array(ModelConfig.from_hf(dict(hf, rope_scaling=scaling)).rope_inv_freq())
+        plain = np.array(ModelConfig.from_hf(hf, str(path)).rope_inv_freq())
+        scaled = np.array(ModelConfig.from_hf(dict(hf, rope_scaling=scaling), str(path)).rope_inv_freq())
         if plain.shape != divisors.shape or not np.allclose(plain / scaled, divisors, rtol=1e-3):
             raise ModelLoadError(f"{path}: rope_freqs.weight matches no Llama 3 rope scaling qrun knows")
         return scaling
-    if kind in (None, "none") or not factor or float(factor) == 1.0:
+    if rope_type in (None, "none") or not factor or float(factor) == 1.0:
         return None
-    scaling = {"rope_type": str(kind), "factor": float(factor)}
+    scaling = {"rope_type": rope_type, "factor": float(factor)}
     if original:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling

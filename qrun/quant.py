@@ -298,6 +298,8 @@ def prepare_quantized_linears(model: nn.Module) -> None:
 def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]:
     """Layouts of the quantized linears named in config.json's quantization_config."""
     qconfig = hf_config["quantization_config"]
+    if not isinstance(qconfig, dict):
+        raise ModelLoadError(f"quantization_config must be an object, got {type(qconfig).__name__}")
     if qconfig.get("quant_method") != "qrun-exl":
         raise ModelLoadError(f"unsupported quantization method {qconfig.get('quant_method')!r}; "
                              "qrun loads its own 'qrun-exl' format (qrun convert)")
@@ -305,11 +307,22 @@ def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]
         raise ModelLoadError(f"this model is in qrun-exl format version {qconfig.get('version')}; this qrun reads "
                              f"versions {READABLE_VERSIONS[0]} to {FORMAT_VERSION} (8-bit group scales): convert it again "
                              "with `qrun convert`")
+    modules = qconfig.get("modules", {})
+    if not isinstance(modules, dict):
+        raise ModelLoadError(f"quantization_config.modules must be an object, got {type(modules).__name__}")
     layouts = {}
-    for name, spec in qconfig.get("modules", {}).items():
+    for name, spec in modules.items():
         short = name.removeprefix("model.")
-        linear = model.get_submodule(short)
-        layouts[short] = MatrixLayout.from_json(linear.in_features, linear.out_features, spec)
+        try:
+            linear = model.get_submodule(short)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, (nn.Linear, QuantLinear)):  # QuantLinear once swapped in
+            raise ModelLoadError(f"quantization_config.modules names {name!r}, which is no linear layer of this model")
+        try:
+            layouts[short] = MatrixLayout.from_json(linear.in_features, linear.out_features, spec)
+        except ValueError as err:
+            raise ModelLoadError(f"quantization_config.modules[{name!r}]: {err}") from None
     return layouts
 
 

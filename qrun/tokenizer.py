@@ -11,7 +11,8 @@ import tokenizers
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from qrun.errors import ModelLoadError, QrunError
+from qrun.errors import ModelLoadError, QrunError, one_line
+from qrun.sources import read_json_object
 
 # Used when a model ships no chat template: plain "role: content" turns.
 FALLBACK_CHAT_TEMPLATE = (
@@ -25,6 +26,20 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _config_problem(config: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of a tokenizer_config.json this class reads, if anything."""
+    template = config.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+    if template is not None and not isinstance(template, str) and not named:
+        return "chat_template must be a template or a list of {name, template} objects"
+    for key in ("bos_token", "eos_token"):
+        token = config.get(key)
+        if token is not None and not isinstance(token, str) and not isinstance(_token_text(token), str):
+            return f"{key} must be a string or an object with a string content, got {token!r:.40}"
+    return None
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:
@@ -67,7 +82,8 @@ class Tokenizer:
         if eos_id is not None and eos_id not in ids:
             ids.append(eos_id)
         self.eos_token_ids = ids
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # One past the highest id (a count of tokens would miss ids past a gap).
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.special_ids = set(tokenizer.get_added_tokens_decoder())
 
     @classmethod
@@ -80,13 +96,20 @@ class Tokenizer:
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as err:
-            raise ModelLoadError(f"{path} is not a valid tokenizer file ({err})") from None
+            raise ModelLoadError(f"{path} is not a valid tokenizer file ({one_line(err)})") from None
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_json_object(config_path) if config_path.is_file() else {}
+        problem = _config_problem(config)
+        if problem:
+            raise ModelLoadError(f"{config_path}: {problem}")
         generation = folder / "generation_config.json"
         if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-            for token_id in [eos] if isinstance(eos, int) else (eos or []):
+            eos = read_json_object(generation).get("eos_token_id")
+            ids = [eos] if isinstance(eos, int) else (eos or [])
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ModelLoadError(f"{generation}: eos_token_id must be a token id or a list of them, "
+                                     f"got {eos!r:.40}")
+            for token_id in ids:
                 if token_id not in eos_token_ids:
                     eos_token_ids = [*eos_token_ids, token_id]
         return cls(tok, config, eos_token_ids)

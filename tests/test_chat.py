@@ -54,6 +54,21 @@ def test_context_overflow_drops_the_oldest_turns(tiny_llm):
     assert session.messages == []
 
 
+def test_a_failed_answer_is_an_error_and_leaves_the_conversation_as_it_was(tiny_llm, monkeypatch):
+    from qrun.errors import RequestFailed
+    from qrun.tokenizer import IncrementalDetokenizer
+
+    def detokenizer_fault(*args):
+        raise RuntimeError("injected fault")
+
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=8, temperature=0))
+    app = ChatApp(session, Console(file=io.StringIO()))
+    monkeypatch.setattr(IncrementalDetokenizer, "add", detokenizer_fault)
+    with pytest.raises(RequestFailed, match="injected fault"):
+        app.answer("hello")
+    assert session.messages == []  # nothing half-answered for the next turn to build on
+
+
 def test_set_parses_values_and_rejects_bad_ones():
     params = parse_settings(SamplingParams(), ["temperature=0.7", "top_p=0.9", "max_tokens=30", "stop=END"])
     assert (params.temperature, params.top_p, params.max_tokens, params.stop_strings) == (0.7, 0.9, 30, ("END",))
