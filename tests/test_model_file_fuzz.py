@@ -23,6 +23,17 @@ from qrun.errors import ModelLoadError
 from qrun.loader import load_model
 from tiny_gguf import tiny_hf_tensors, write_gguf
 
+@pytest.fixture(scope="module")
+def seeds(tiny_llama_dir, tmp_path_factory):
+    return make_seeds(tmp_path_factory.mktemp("fuzz-seeds"), tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def watchdog(seeds):
+    with Watchdog(seeds.models()) as dog:
+        yield dog
+
+
 def _copy(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / folder.name))
 
