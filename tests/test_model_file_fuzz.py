@@ -1,10 +1,11 @@
-"""Model files from strangers: a test for each defect the model-file fuzzer (or reading the loaders
-next to it) found.
+"""Model files from strangers: a bounded fuzzer over every kind of file qrun reads, and a test
+for each defect it (or reading the loaders next to it) found.
 
 Every malformed file must end within CASE_SECONDS in a loaded model or in a one-line error naming
 the file: no other exception, no hang, no allocation sized from a header field nothing checked
-(tests/model_file_fuzzer.py loads the worst cases in a watchdog process). NaN or infinite weights
-are refused at load, naming the tensor: a model holding them can only answer with NaN logits.
+(tests/model_file_fuzzer.py makes the cases and loads them in a watchdog process). NaN or infinite
+weights are refused at load, naming the tensor: a model holding them can only answer with NaN
+logits. scripts/fuzz_model_files.py runs larger corpora.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_file_fuzzer import CASE_SECONDS, Watchdog, judge, make_seeds, with_gguf_field
+from model_file_fuzzer import CASE_SECONDS, KINDS, Watchdog, judge, make_seeds, run_cases, with_gguf_field
 from qrun.errors import ModelLoadError
 from qrun.loader import load_model
 from tiny_gguf import tiny_hf_tensors, write_gguf
+
+CASES = 50 * len(KINDS)  # about 20 s on two busy cores; the script runs thousands
+SEED = 0
+
 
 @pytest.fixture(scope="module")
 def seeds(tiny_llama_dir, tmp_path_factory):
@@ -32,6 +37,20 @@ def seeds(tiny_llama_dir, tmp_path_factory):
 def watchdog(seeds):
     with Watchdog(seeds.models()) as dog:
         yield dog
+
+
+def test_every_malformed_model_file_loads_or_fails_in_one_line_naming_the_file(seeds, watchdog, tmp_path,
+                                                                             summary_line):
+    report = run_cases(seeds, SEED, list(range(CASES)), tmp_path, watchdog)
+    counts = report.counts()
+    summary_line(f"model-file fuzz: {len(report.outcomes)} cases (seed {SEED}): {counts['loaded']} loaded, "
+                 f"{counts['clear error']} clear errors ({len(report.distinct_errors())} distinct), "
+                 f"{len(report.failures())} failures; slowest {report.slowest():.2f} s")
+    failures = "\n".join(f"case {c.index} ({c.mutation}): {o.verdict} after {o.seconds:.1f} s: {o.message}"
+                         for c, o in report.failures())
+    assert not failures, f"{failures}\n(rerun one with scripts/fuzz_model_files.py --seed {SEED} --case N)"
+    by_kind = {kind: {o.verdict for c, o in report.outcomes if c.kind == kind} for kind in KINDS}
+    assert all("clear error" in verdicts for verdicts in by_kind.values()), by_kind  # every kind was really broken
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:
