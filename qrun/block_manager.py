@@ -53,6 +53,11 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
+    @property
+    def num_references(self) -> int:
+        """Sequences' references to blocks, summed: 0 whenever no sequence holds a block."""
+        return sum(block.ref_count for block in self.blocks)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -442,6 +442,7 @@ class LLMEngine:
             "kv_blocks_free": blocks.num_free_blocks,
             "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
             "kv_blocks_cached": blocks.num_cached_blocks,
+            "kv_block_references": blocks.num_references,
             "prefix_hit_rate": blocks.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "generated_tokens": self.num_generated_tokens,

@@ -48,11 +48,51 @@ def make_prompt(i: int, words: int) -> str:
     return f"[{i}] " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words))
 
 
-async def stream_completion(host: str, port: int, body: dict, api_key: str | None) -> Result:
-    """POST one streaming completion over a raw HTTP/1.1 connection; time its first and last token."""
-    start = time.perf_counter()
+@dataclass
+class HttpReply:
+    """A request's status line and headers read; the body still on `reader`."""
+
+    status: int
+    chunked: bool
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    async def body(self):
+        """The body's bytes as they arrive."""
+        if not self.chunked:
+            while data := await self.reader.read(65536):
+                yield data
+            return
+        while True:
+            size = int((await self.reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                return
+            yield await self.reader.readexactly(size)
+            await self.reader.readline()  # the CRLF after each chunk
+
+    async def events(self):
+        """The parsed JSON of each server-sent event, up to `data: [DONE]`."""
+        buffer = b""
+        async for data in self.body():
+            buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if event == b"data: [DONE]":
+                    return
+                if event.startswith(b"data: "):
+                    yield json.loads(event[6:])
+
+    async def json(self) -> dict:
+        return json.loads(b"".join([data async for data in self.body()]))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def open_request(host: str, port: int, path: str, body: dict, api_key: str | None) -> HttpReply:
+    """POST `body` over a raw HTTP/1.1 connection and read up to the end of the headers."""
     payload = json.dumps(body).encode()
-    headers = ["POST /v1/completions HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
+    headers = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
                f"Content-Length: {len(payload)}", "Connection: close"]
     if api_key:
         headers.append(f"Authorization: Bearer {api_key}")
@@ -60,47 +100,40 @@ async def stream_completion(host: str, port: int, body: dict, api_key: str | Non
     try:
         writer.write(("\r\n".join(headers) + "\r\n\r\n").encode() + payload)
         await writer.drain()
-        status_line = await reader.readline()
-        status = int(status_line.split()[1])
+        status = int((await reader.readline()).split()[1])
         chunked = False
         while (line := await reader.readline()) not in (b"\r\n", b""):
             if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
                 chunked = True
-        if status != 200:
-            return Result(False, error=f"HTTP {status}")
-        ttft, tokens, buffer = None, 0, b""
-        async for data in _body_chunks(reader, chunked):
-            buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                chunk = json.loads(event[6:])
-                if "error" in chunk:
-                    return Result(False, error=chunk["error"].get("message", "error"))
-                if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                    ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+    except BaseException:
+        writer.close()
+        raise
+    return HttpReply(status, chunked, reader, writer)
+
+
+async def stream_completion(host: str, port: int, body: dict, api_key: str | None) -> Result:
+    """POST one streaming completion; time its first and last token."""
+    start = time.perf_counter()
+    reply = None
+    try:
+        reply = await open_request(host, port, "/v1/completions", body, api_key)
+        if reply.status != 200:
+            return Result(False, error=f"HTTP {reply.status}")
+        ttft, tokens = None, 0
+        async for chunk in reply.events():
+            if "error" in chunk:
+                return Result(False, error=chunk["error"].get("message", "error"))
+            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
         latency = time.perf_counter() - start
         return Result(True, ttft if ttft is not None else latency, latency, tokens)
     except (OSError, ValueError, IndexError) as err:
         return Result(False, error=f"{type(err).__name__}: {err}")
     finally:
-        writer.close()
-
-
-async def _body_chunks(reader: asyncio.StreamReader, chunked: bool):
-    if not chunked:
-        while data := await reader.read(65536):
-            yield data
-        return
-    while True:
-        size = int((await reader.readline()).strip() or b"0", 16)
-        if size == 0:
-            return
-        yield await reader.readexactly(size)
-        await reader.readline()  # the CRLF after each chunk
+        if reply is not None:
+            reply.close()
 
 
 async def run_level(host: str, port: int, concurrency: int, args: argparse.Namespace) -> tuple[list[Result], float]:

@@ -105,14 +105,15 @@ def post_raw(url: str, path: str, raw: bytes, content_type: str = "application/j
 
 def metrics(url: str) -> dict[str, float]:
     _, _, body = request(url, "/metrics")
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(qrun_\w+) (\S+)$", body["text"], re.M)}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^(qrun_[\w{}="]+) (\S+)$', body["text"], re.M)}
 
 
 def wait_idle(url: str, timeout: float = 10) -> dict[str, float]:
     deadline = time.time() + timeout
     while True:
         m = metrics(url)
-        if m["qrun_requests_running"] == 0 and m["qrun_kv_blocks_used"] == 0 and m["qrun_http_requests_in_flight"] == 0:
+        if (m["qrun_requests_running"] == 0 and m["qrun_kv_blocks_used"] == 0 and m["qrun_kv_block_references"] == 0
+                and m["qrun_http_requests_in_flight"] == 0):
             return m
         assert time.time() < deadline, f"server did not return to idle: {m}"
         time.sleep(0.05)
@@ -383,6 +384,7 @@ def test_queue_full_is_429(tiny_llama_dir):
             status, headers, reply = request(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
             assert status == 429 and int(headers["Retry-After"]) >= 1
             assert reply["error"]["type"] == "rate_limit_error"
+            assert metrics(base)['qrun_http_requests_total{status="429"}'] == 1  # /metrics counts every answer
             conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
             wait_idle(base)

@@ -149,7 +149,11 @@ class Server:
         return stream, first
 
     async def run(self, request: Request, job: Job, render: Render, stream: bool, include_usage: bool) -> Response:
-        self.admit()
+        try:
+            self.admit()
+        except ApiError as error:  # turned away (429, 503): counted in /metrics as every answer is
+            self.finish(job, error.status, {})
+            raise
         self.in_flight += 1
         try:
             outputs_stream, first = await self.first_output(job)
@@ -158,9 +162,9 @@ class Server:
             self.in_flight -= 1
             self.finish(job, error.status, {})
             raise error from None
-        except BaseException:  # cancelled: the client left
+        except BaseException:  # cancelled: the client left before the first token
             self.in_flight -= 1
-            self.finish(job, 500, {})
+            self.finish(job, 499, {})
             raise
         if stream:
             return StreamingResponse(self.events(job, outputs_stream, first, render, include_usage),

@@ -69,6 +69,8 @@ class ServerMetrics:
             *gauge("qrun_kv_blocks_total", stats.get("kv_blocks_total", 0), "KV cache blocks in all."),
             *gauge("qrun_kv_blocks_cached", stats.get("kv_blocks_cached", 0),
                    "Free blocks still holding a reusable prefix."),
+            *gauge("qrun_kv_block_references", stats.get("kv_block_references", 0),
+                   "Sequences' references to KV blocks, summed (prefix sharing counts each)."),
             *gauge("qrun_prefix_cache_hit_rate", stats.get("prefix_hit_rate", 0.0),
                    "Share of prompt blocks served from the prefix cache."),
             *gauge("qrun_preemptions_total", stats.get("num_preemptions", 0), "Sequences preempted.", "counter"),
