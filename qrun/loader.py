@@ -113,13 +113,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     shards = sorted(set(_weight_map(folder).values()))
     if shards:
         files = [folder / shard for shard in shards]
+        index = folder / "model.safetensors.index.json"
         try:
             missing = [f.name for f in files if not f.is_file()]
         except OSError as err:  # a name no file can have (too long)
-            raise ModelLoadError(f"{folder / 'model.safetensors.index.json'} names a shard that cannot exist "
-                                 f"({err.strerror}); re-download the model") from None
+            raise ModelLoadError(f"{index} names a shard that cannot exist ({err.strerror}); "
+                                 "re-download the model") from None
         if missing:
-            raise ModelLoadError(f"{folder} lacks weight shards {', '.join(missing)} named by its index")
+            raise ModelLoadError(f"{index} names weight shards {', '.join(map(repr, missing))} that {folder} lacks; "
+                                 "re-download the model")
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -205,6 +205,13 @@ def test_a_shard_index_naming_files_outside_the_folder_is_refused(seeds, tmp_pat
     _assert_clear_error(folder, index, "shard files of this folder")
 
 
+def test_a_shard_index_naming_a_missing_shard_names_the_index(seeds, tmp_path):
+    folder = _copy(seeds.converted, tmp_path)
+    index = folder / "model.safetensors.index.json"
+    _edit_json(index, lambda doc: doc["weight_map"].update({"lm_head.qweight": "x"}))  # named only the folder
+    _assert_clear_error(folder, index, "names weight shards 'x' that")
+
+
 # -- quantization_config -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("edit, match", [
