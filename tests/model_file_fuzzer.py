@@ -422,12 +422,9 @@ def _replace(doc: Any, path: tuple, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Outcome:
-    verdict: str  # see VERDICTS
+    verdict: str  # loaded, clear error, unclear error (a QrunError not one line naming the file), crash, hang
     message: str
     seconds: float
-
-
-VERDICTS = ("loaded", "clear error", "unclear error", "crash", "hang")
 
 
 def judge(case: Case, answer: dict, seconds: float) -> Outcome:
