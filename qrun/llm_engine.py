@@ -254,7 +254,12 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the outputs of the requests it advanced."""
+        """Run one forward pass; return the outputs of the requests it advanced.
+
+        A fault in one request's share of the step fails that request alone, and a failed
+        forward pass fails the step's requests: their outputs end with finish_reason "error".
+        A fault outside any request (the scheduler's, say) raises.
+        """
         if self.cpu_threads is not None:
             self.cpu_threads.update()
         batch = self.scheduler.schedule()

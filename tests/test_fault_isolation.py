@@ -214,7 +214,7 @@ async def _final(engine: AsyncLLM, prompt, params=PARAMS):
 
     try:
         return await asyncio.wait_for(run(), 20)
-    except (RequestFailed, EngineStopped, RuntimeError, TimeoutError) as err:
+    except (EngineStopped, TimeoutError) as err:
         return err
 
 
