@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qrun.errors import QrunError
-from qrun.options import (SAMPLING_FIELDS, add_engine_arguments, add_sampling_arguments, engine_args_from, load_llm,
-                          parse_memory, sampling_params_from)
-from qrun.sampling_params import SamplingParams, StructuredOutputsParams
+from qrun.options import (add_engine_arguments, add_sampling_arguments, engine_args_from, load_llm, parse_memory,
+                          sampling_fields_from, sampling_params_from)
+from qrun.replicas import ReplicaSpec, add_replica_arguments
+from qrun.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from qrun.llm import LLM
@@ -27,17 +28,12 @@ examples:
   qrun generate smollm2-135m "The capital of France is" --max-tokens 8 --temperature 0
   qrun generate smollm2-135m "Write a haiku about rain" --chat --temperature 0.7
   qrun generate smollm2-135m --input qrun/data/sample_prompts.jsonl --output answers.jsonl
+  qrun generate smollm2-135m --input requests.jsonl --output answers.jsonl --replicas 4 --ray-address auto
 
 --input lines are JSON objects: {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
 optionally with "id" and sampling fields ("max_tokens", "temperature", "stop", ...) that override the flags.
-Outputs are JSON lines in input order: {"line", "id", "text", "finish_reason", "prompt_tokens",
+Outputs are JSON lines in input order: {"line", "id", "text", "token_ids", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens"}, or {"line", "error"} for a skipped line."""
-
-# Fields a batch line may carry besides its prompt: the sampling flags, plus a few
-# SamplingParams fields with no flag of their own. n and logprobs change the output shape.
-BATCH_SAMPLING_FIELDS = (*SAMPLING_FIELDS, "min_tokens", "stop_token_ids", "include_stop_str_in_output")
-# A line's structured output, in OpenAI's shape or as a bare schema.
-BATCH_FORMAT_FIELDS = ("response_format", "json_schema")
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -45,12 +41,14 @@ def run_generate(args: argparse.Namespace) -> None:
         raise UsageError("give either a PROMPT or --input FILE.jsonl")
     if args.output and args.input is None:
         raise UsageError("--output needs --input; a single prompt streams to stdout")
+    replicas = ReplicaSpec.from_args(args)
+    if replicas.on_ray and args.input is None:
+        raise UsageError("--replicas and --ray-address run an --input batch; a single prompt runs here")
     base = sampling_params_from(args)  # validates the flags before the slow model load
-    llm = load_llm(args.model, engine_args_from(args))
-    if args.prompt is not None:
-        _generate_one(llm, args.prompt, base, args.chat)
+    if args.input is not None:
+        _generate_batch(args, replicas)
     else:
-        _generate_batch(llm, args)
+        _generate_one(load_llm(args.model, engine_args_from(args)), args.prompt, base, args.chat)
 
 
 def _generate_one(llm: "LLM", prompt: str, params: SamplingParams, chat: bool) -> None:
@@ -69,59 +67,11 @@ def _generate_one(llm: "LLM", prompt: str, params: SamplingParams, chat: bool) -
     print(f"{stats_line(output, time.perf_counter() - start)}, finish: {output.finish_reason}", file=sys.stderr)
 
 
-def parse_batch_line(llm: "LLM", text: str, args: argparse.Namespace) -> tuple[list[int], SamplingParams]:
-    """One --input line -> (prompt ids, params); ValueError says what is wrong with it."""
-    from qrun.tokenizer import chat_messages
-
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError("not a JSON object")
-    unknown = sorted(set(record) - {"prompt", "messages", "id", *BATCH_SAMPLING_FIELDS, *BATCH_FORMAT_FIELDS})
-    if unknown:
-        raise ValueError(f"unknown field {unknown[0]!r}")
-    prompt, messages = record.get("prompt"), record.get("messages")
-    if (prompt is None) == (messages is None):
-        raise ValueError('give exactly one of "prompt" or "messages"')
-    if prompt is not None:
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError('"prompt" must be a non-empty string')
-        if args.chat:
-            messages = [{"role": "user", "content": prompt}]
-    if messages is not None:
-        messages = chat_messages(messages)
-    fields = {k: v for k, v in record.items() if k in BATCH_SAMPLING_FIELDS}
-    if "response_format" in record and "json_schema" in record:
-        raise ValueError('give "response_format" or "json_schema", not both')
-    if "response_format" in record:
-        fields["structured_outputs"] = StructuredOutputsParams.from_response_format(record["response_format"])
-    elif "json_schema" in record:
-        fields["structured_outputs"] = StructuredOutputsParams(json=record["json_schema"])
-    try:
-        params = sampling_params_from(args, **fields)
-    except TypeError as err:  # a string where a number belongs fails SamplingParams' comparisons
-        raise ValueError(f"a sampling field has the wrong type ({err})") from None
-    ids = llm.tokenizer.encode_chat(messages) if messages is not None else llm.tokenizer.encode(prompt)
-    # Checked here rather than left to the engine, which would reject the whole batch.
-    limit = llm.engine.request_token_limit
-    if not ids:
-        raise ValueError("the prompt is empty")
-    if len(ids) + params.max_tokens > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                         f"{limit} tokens one request may use")
-    if params.structured_outputs is not None:
-        try:
-            llm.engine.grammar_compiler.matcher(params.structured_outputs)  # compiled once, cached for the run
-        except QrunError as err:
-            raise ValueError(str(err)) from None
-    return ids, params
-
-
-def _generate_batch(llm: "LLM", args: argparse.Namespace) -> None:
+def _generate_batch(args: argparse.Namespace, replicas: ReplicaSpec) -> None:
     import sys
     import time
+
+    from qrun.batch_requests import BatchDefaults, RefusedRequest, answer_requests, parse_request_line
 
     path = Path(args.input)
     try:
@@ -129,42 +79,63 @@ def _generate_batch(llm: "LLM", args: argparse.Namespace) -> None:
     except (OSError, UnicodeDecodeError) as err:
         raise QrunError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
     records: list[dict[str, Any]] = []  # one per non-blank line, in input order
-    jobs: list[tuple[int, list[int], SamplingParams]] = []  # (index in records, ids, params)
+    queued: list[tuple[int, dict[str, Any]]] = []  # (index in records, request)
     for number, text in enumerate(lines, 1):
         if not text.strip():
             continue
-        try:
-            ids, params = parse_batch_line(llm, text, args)
-        except ValueError as err:
-            message = f"{path}:{number}: {err}"
-            if args.strict:
-                raise QrunError(f"{message} (--strict stops at the first bad line)") from None
-            print(f"qrun: skipping {message}", file=sys.stderr)
-            records.append({"line": number, "error": str(err)})
-            continue
         record: dict[str, Any] = {"line": number}
-        line_id = json.loads(text).get("id")
-        if line_id is not None:
-            record["id"] = line_id
-        jobs.append((len(records), ids, params))
+        try:
+            request = parse_request_line(text)
+        except ValueError as err:
+            _refuse(path, record, str(err), args.strict)
+        else:
+            if request.get("id") is not None:
+                record["id"] = request["id"]
+            queued.append((len(records), request))
         records.append(record)
-    if not jobs:
+    if not queued:
         raise QrunError(f"{path} has no valid requests")
-    start = time.perf_counter()
-    outputs = llm.generate([ids for _, ids, _ in jobs], [params for _, _, params in jobs], progress=True)
+    requests = [request for _, request in queued]
+    defaults = BatchDefaults(sampling_fields_from(args), args.chat)
+    if replicas.on_ray:
+        from qrun.ray_batch import answer_on_ray
+
+        start = time.perf_counter()
+        answers = answer_on_ray(args.model, engine_args_from(args), requests, defaults, replicas)
+        where = f" on {replicas.count} replicas (starting them included)"
+    else:
+        llm = load_llm(args.model, engine_args_from(args))
+        start = time.perf_counter()
+        try:
+            answers = answer_requests(llm, requests, defaults, strict=args.strict, progress=True)
+        except RefusedRequest as err:  # --strict: before generating anything
+            _refuse(path, records[queued[err.index][0]], str(err), strict=True)
+        where = ""
     elapsed = time.perf_counter() - start
-    for (index, _, _), output in zip(jobs, outputs):
-        records[index].update(text=output.text, finish_reason=output.finish_reason,
-                              prompt_tokens=output.metrics.num_prompt_tokens,
-                              completion_tokens=len(output.token_ids),
-                              cached_tokens=output.metrics.num_cached_tokens)
+    for (index, _), answer in zip(queued, answers):
+        if "error" in answer:
+            _refuse(path, records[index], answer["error"], args.strict)
+        else:
+            records[index].update(answer)
     _write_jsonl(records, args.output)
-    generated = sum(len(o.token_ids) for o in outputs)
-    prompt_tokens = sum(o.metrics.num_prompt_tokens for o in outputs)
-    skipped = len(records) - len(jobs)
-    print(f"{len(jobs)} requests{f' ({skipped} skipped)' if skipped else ''}, {prompt_tokens} prompt tokens, "
-          f"{generated} generated tokens in {elapsed:.1f} s: {generated / max(elapsed, 1e-9):.1f} tokens/s",
+    answered = [a for a in answers if "error" not in a]
+    generated = sum(a["completion_tokens"] for a in answered)
+    prompt_tokens = sum(a["prompt_tokens"] for a in answered)
+    skipped = len(records) - len(answered)
+    print(f"{len(answered)} requests{f' ({skipped} skipped)' if skipped else ''}, {prompt_tokens} prompt tokens, "
+          f"{generated} generated tokens in {elapsed:.1f} s{where}: {generated / max(elapsed, 1e-9):.1f} tokens/s",
           file=sys.stderr)
+
+
+def _refuse(path: Path, record: dict[str, Any], reason: str, strict: bool) -> None:
+    """A line that cannot run: the error with --strict, else skipped with a note on stderr."""
+    import sys
+
+    message = f"{path}:{record['line']}: {reason}"
+    if strict:
+        raise QrunError(f"{message} (--strict stops at the first bad line)")
+    print(f"qrun: skipping {message}", file=sys.stderr)
+    record["error"] = reason
 
 
 def _write_jsonl(records: list[dict[str, Any]], output: str | None) -> None:
@@ -381,11 +352,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the prompt; its completion streams to stdout")
     gen.add_argument("--input", metavar="FILE.jsonl", help="run a batch of requests, one JSON object per line")
     gen.add_argument("--output", metavar="FILE.jsonl", help="write the batch outputs here instead of stdout")
-    gen.add_argument("--strict", action="store_true", help="fail on a malformed --input line instead of skipping it")
+    gen.add_argument("--strict", action="store_true", help="fail on a malformed --input line instead of skipping it "
+                     "(with --replicas, after the run: the replicas check the lines against the model)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     gen.set_defaults(run=run_generate)
     add_sampling_arguments(gen)
     add_engine_arguments(gen)
+    add_replica_arguments(gen)
 
     from qrun.chat import run_chat
 

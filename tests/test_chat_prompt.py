@@ -4,13 +4,12 @@ the same ids, with one BOS."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
 import pytest
 
-from qrun.cli import parse_batch_line
+from qrun.batch_requests import BatchDefaults, prepare_request
 from qrun.llm import LLM
 from qrun.tokenizer import chat_messages
 
@@ -51,10 +50,7 @@ def test_chat_prompts_carry_one_bos_from_llm_cli_and_server(bos_model):
     assert ids[0] == bos_id and ids.count(bos_id) == 1
     assert llm.tokenizer.encode("plain text")[0] == bos_id  # the post-processor is really there
 
-    args = argparse.Namespace(chat=False, **{name: None for name in (
-        "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "stop", "seed", "ignore_eos")})
-    cli_ids, _ = parse_batch_line(llm, json.dumps({"messages": MESSAGES, "max_tokens": 4}), args)
+    cli_ids, _ = prepare_request(llm, {"messages": MESSAGES, "max_tokens": 4}, BatchDefaults())
     assert cli_ids == ids
 
     engine = AsyncLLM(str(folder), **ENGINE)

@@ -6,11 +6,13 @@ import argparse
 import ipaddress
 import logging
 import os
+from typing import Any
 from urllib.parse import urlsplit
 
 from qrun.async_llm import AsyncLLM
 from qrun.errors import QrunError
 from qrun.options import add_engine_arguments, engine_args_from
+from qrun.replicas import ReplicaSpec, add_replica_arguments
 from qrun.server.app import DEFAULT_MAX_QUEUE, build_app
 
 log = logging.getLogger("qrun.server")
@@ -31,6 +33,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for an engine slot before new ones get 429")
     parser.add_argument("--served-model-name", default=None, help="model id reported by the API")
     add_engine_arguments(parser)
+    add_replica_arguments(parser)
     parser.add_argument("--log-level", default="info")
 
 
@@ -43,15 +46,25 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is None and not _is_loopback(args.host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model; "
                     "pass --api-key or set QRUN_API_KEY", args.host)
+    replicas = ReplicaSpec.from_args(args)
+    if replicas.on_ray:
+        from qrun.server.ray_deployment import serve_on_ray
+
+        return serve_on_ray(args, replicas)
     llm = AsyncLLM(args.model, **engine_args_from(args))
     try:
-        app = build_app(llm, api_key=args.api_key, max_queue=args.max_queue,
-                        model_name=args.served_model_name or str(args.model), cors_origins=args.cors_origins)
+        app = build_app(llm, **app_args_from(args))
         # Our own per-request log line replaces uvicorn's access log.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         llm.shutdown()
     return 0
+
+
+def app_args_from(args: argparse.Namespace) -> dict[str, Any]:
+    """build_app's keyword arguments from the flags (for one process, and for each Ray replica)."""
+    return {"api_key": args.api_key, "max_queue": args.max_queue,
+            "model_name": args.served_model_name or str(args.model), "cors_origins": args.cors_origins}
 
 
 def cors_origins(value: str) -> list[str]:
