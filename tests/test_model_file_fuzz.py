@@ -237,12 +237,19 @@ def test_a_quantization_run_claiming_billions_of_groups_fails_before_allocating_
 
 # -- GGUF --------------------------------------------------------------------------------------
 
-def test_a_gguf_array_claiming_more_items_than_the_file_holds_fails_fast(seeds, tmp_path, watchdog):
+@pytest.mark.parametrize("field, value, padding", [
     # gguf's reader took one Python step per claimed item until the file ran out: through 32 MiB of
-    # tensor data that is minutes (a real model's file, hours); now one bounds check.
-    path = with_gguf_field(seeds.gguf, "length of tokenizer.ggml.token_type", 2**40, tmp_path / "huge.gguf")
+    # tensor data that is minutes (through a real model's file, hours); now one bounds check.
+    ("length of tokenizer.ggml.token_type", 2**40, 32 << 20),
+    # A string retyped as an array (scripts/fuzz_model_files.py --seed 1 --case 408): its bytes
+    # became arrays of arrays whose reads past the end advanced nothing, so it never ended.
+    ("type of general.architecture", 9, 0),
+])
+def test_a_gguf_array_claiming_more_than_the_file_holds_fails_fast(seeds, tmp_path, watchdog, field, value,
+                                                                   padding):
+    path = with_gguf_field(seeds.gguf, field, value, tmp_path / "huge.gguf")
     with open(path, "ab") as tail:
-        tail.write(bytes(32 << 20))
+        tail.write(bytes(padding))
     _assert_clear_error_in_watchdog(watchdog, path, path, "run past the end of the file")
 
 
