@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"LLM": "qrun.llm", "EngineConfig": "qrun.llm_engine", "LLMEngine": "qrun.llm_engine",
             "SamplingParams": "qrun.sampling_params", "RequestOutput": "qrun.sequence",
-            "CompletionOutput": "qrun.sequence"}
+            "CompletionOutput": "qrun.sequence", "QrunPredictor": "qrun.ray_batch"}
 
 if TYPE_CHECKING:
     from qrun.llm import LLM
     from qrun.llm_engine import EngineConfig, LLMEngine
+    from qrun.ray_batch import QrunPredictor
     from qrun.sampling_params import SamplingParams
     from qrun.sequence import CompletionOutput, RequestOutput
 

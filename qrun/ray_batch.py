@@ -6,7 +6,8 @@ engine, and `answer_on_ray`, which runs `qrun generate --input ... --replicas N`
                         "sampling": {"temperature": 0}}, batch_format="pyarrow", batch_size=256,
                         compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1)
 
-(`concurrency=4` says the same; Ray 2.51+ prefers `compute`.)
+(`concurrency=4` says the same; Ray 2.51+ prefers `compute`.) Actors hold their CPUs for the whole
+job: leave one free for the read and write tasks, which otherwise wait forever.
 
 A row is a request as `qrun generate --input` reads it (batch_requests.py): "prompt" or
 "messages", optionally "id" and sampling fields; a column that is null in a row counts as absent
@@ -102,9 +103,10 @@ def answer_on_ray(model: str, engine_args: dict[str, Any], requests: list[dict[s
         fn_constructor_kwargs={"model": model_for_replicas(model), "sampling": defaults.sampling,
                                "chat": defaults.chat, **engine_args})
     answers: list[dict[str, Any] | None] = [None] * len(requests)
-    for batch in answered.select_columns(["index", *ANSWER_SCHEMA.names]).iter_batches(batch_format="pyarrow",
-                                                                                         batch_size=None):
-        for row in batch.to_pylist():
+    # Columns picked here, not by a Ray Data projection: its tasks would wait for a CPU that the
+    # replicas hold until the job ends.
+    for batch in answered.iter_batches(batch_format="pyarrow", batch_size=None):
+        for row in batch.select(["index", *ANSWER_SCHEMA.names]).to_pylist():
             index = row.pop("index")
             if answers[index] is not None:
                 raise QrunError(f"Ray returned request {index} twice")

@@ -90,8 +90,8 @@ def test_one_replica_runs_in_this_process_without_importing_ray(tiny_llama_dir, 
 
 def test_predictor_answers_rows_of_every_shape_and_keeps_their_columns(tiny_llama_dir):
     pa = pytest.importorskip("pyarrow", reason=RAY_MISSING)
+    from qrun import QrunPredictor
     from qrun.llm import LLM
-    from qrun.ray_batch import QrunPredictor
     from qrun.sampling_params import SamplingParams
 
     messages = [{"role": "user", "content": "hello"}]
@@ -175,15 +175,18 @@ def test_serve_with_2_replicas_answers_the_openai_client_from_both(tiny_llama_di
     openai = pytest.importorskip("openai")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "serve.log").open("w")
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
     server = subprocess.Popen([sys.executable, "-m", "qrun.cli", "serve", str(tiny_llama_dir), "--port", str(port),
                                "--replicas", "2", "--ray-address", ray_address, "--served-model-name", "tiny",
                                *ENGINE_FLAGS], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 240
-        while not _answers(url):
-            assert server.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+        # Logged once every replica is up; /health answers as soon as one is.
+        while f"serving {tiny_llama_dir} on {url} with 2 replicas" not in log_path.read_text():
+            assert server.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
             time.sleep(1)
+        assert request(url, "/health")[0] == 200
         offline = LLM(str(tiny_llama_dir), **ENGINE_ARGS)
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         sync = client(url)
@@ -214,18 +217,11 @@ def test_serve_with_2_replicas_answers_the_openai_client_from_both(tiny_llama_di
         server.send_signal(signal.SIGINT)
         code = server.wait(timeout=120)
         log.close()
-    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert code == 0, log_path.read_text()[-3000:]
 
 
 def _without_cached(record: dict) -> dict:
     return {name: value for name, value in record.items() if name != "cached_tokens"}
-
-
-def _answers(url: str) -> bool:
-    try:
-        return request(url, "/health")[0] == 200
-    except OSError:
-        return False
 
 
 def _requests_answered_by_replica(url: str, replicas: set[str]) -> dict[str, int]:

@@ -50,7 +50,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if replicas.on_ray:
         from qrun.server.ray_deployment import serve_on_ray
 
-        return serve_on_ray(args, replicas)
+        return serve_on_ray(args.model, engine_args_from(args), app_args_from(args), replicas, args.host, args.port)
     llm = AsyncLLM(args.model, **engine_args_from(args))
     try:
         app = build_app(llm, **app_args_from(args))

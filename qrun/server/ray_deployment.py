@@ -11,7 +11,6 @@ spreads requests over the replicas.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from typing import Any
@@ -21,10 +20,8 @@ from ray.serve.deployment import Application
 
 from qrun.async_llm import AsyncLLM
 from qrun.llm_engine import EngineConfig
-from qrun.options import engine_args_from
 from qrun.replicas import ReplicaSpec, connect, gpus_per_replica, model_for_replicas
 from qrun.server.app import DEFAULT_MAX_QUEUE, build_app
-from qrun.server.command import app_args_from
 
 log = logging.getLogger("qrun.server")
 
@@ -83,18 +80,19 @@ def qrun_application(model: str, *, app_args: dict[str, Any] | None = None,
     return QrunDeployment.options(**options).bind(model, app_args, **engine_args)
 
 
-def serve_on_ray(args: argparse.Namespace, replicas: ReplicaSpec) -> int:
-    """`qrun serve` with replicas on Ray, until interrupted."""
+def serve_on_ray(model: str, engine_args: dict[str, Any], app_args: dict[str, Any], replicas: ReplicaSpec,
+                 host: str, port: int) -> int:
+    """`qrun serve` with replicas on Ray, on host:port until interrupted."""
     ray = connect(replicas)
     application = qrun_application(
-        model_for_replicas(args.model), app_args=app_args_from(args),
+        model_for_replicas(model), app_args=app_args,
         deployment_options={"num_replicas": replicas.count, "ray_actor_options": {
             "num_cpus": replicas.cpus, "num_gpus": gpus_per_replica(replicas, ray)}},
-        **engine_args_from(args))
-    serve.start(http_options={"host": args.host, "port": args.port})
+        **engine_args)
+    serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(application, name=APP_NAME, route_prefix="/")  # returns once every replica is up
-        log.info("serving %s on http://%s:%d with %d replicas", args.model, args.host, args.port, replicas.count)
+        log.info("serving %s on http://%s:%d with %d replicas", model, host, port, replicas.count)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
