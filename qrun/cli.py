@@ -44,6 +44,7 @@ def run_generate(args: argparse.Namespace) -> None:
     replicas = ReplicaSpec.from_args(args)
     if replicas.on_ray and args.input is None:
         raise UsageError("--replicas and --ray-address run an --input batch; a single prompt runs here")
+    replicas.check_ray_installed()
     base = sampling_params_from(args)  # validates the flags before the slow model load
     if args.input is not None:
         _generate_batch(args, replicas)

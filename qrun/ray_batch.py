@@ -28,7 +28,7 @@ import pyarrow as pa
 from qrun.batch_requests import (ANSWER_FIELDS, REQUEST_FIELDS, BatchDefaults, answer_requests,
                                  parse_request_line)
 from qrun.errors import QrunError
-from qrun.replicas import ReplicaSpec, connect, gpus_per_replica, model_for_replicas
+from qrun.replicas import ReplicaSpec, connect, gpus_per_replica, model_for_replicas, replicas_failed
 from qrun.sampling_params import SamplingParams
 
 REQUEST_COLUMN = "request"
@@ -102,16 +102,20 @@ def answer_on_ray(model: str, engine_args: dict[str, Any], requests: list[dict[s
         num_cpus=replicas.cpus, num_gpus=gpus_per_replica(replicas, ray),
         fn_constructor_kwargs={"model": model_for_replicas(model), "sampling": defaults.sampling,
                                "chat": defaults.chat, **engine_args})
+    try:
+        # Columns picked here, not by a Ray Data projection: its tasks would wait for a CPU that
+        # the replicas hold until the job ends.
+        rows = [row for batch in answered.iter_batches(batch_format="pyarrow", batch_size=None)
+                for row in batch.select(["index", *ANSWER_SCHEMA.names]).to_pylist()]
+    except Exception as err:  # Ray's report of replicas that failed, tracebacks and all
+        raise replicas_failed(str(err)) from err
     answers: list[dict[str, Any] | None] = [None] * len(requests)
-    # Columns picked here, not by a Ray Data projection: its tasks would wait for a CPU that the
-    # replicas hold until the job ends.
-    for batch in answered.iter_batches(batch_format="pyarrow", batch_size=None):
-        for row in batch.select(["index", *ANSWER_SCHEMA.names]).to_pylist():
-            index = row.pop("index")
-            if answers[index] is not None:
-                raise QrunError(f"Ray returned request {index} twice")
-            answers[index] = {"error": row["error"]} if row["error"] is not None else \
-                {name: row[name] for name in ANSWER_FIELDS}
+    for row in rows:
+        index = row.pop("index")
+        if answers[index] is not None:
+            raise QrunError(f"Ray returned request {index} twice")
+        answers[index] = {"error": row["error"]} if row["error"] is not None else \
+            {name: row[name] for name in ANSWER_FIELDS}
     missing = answers.count(None)
     if missing:
         raise QrunError(f"Ray returned {len(requests) - missing} of {len(requests)} requests")

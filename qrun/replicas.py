@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from qrun.errors import QrunError
+from qrun.errors import QrunError, one_line
 
 RAY_INSTALL_HINT = 'pip install -e ".[ray]"'
+# A traceback's last line: the exception's (dotted) class name and its message.
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
 
 
 @dataclass(frozen=True)
@@ -28,16 +31,17 @@ class ReplicaSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ReplicaSpec":
-        """The spec the flags ask for; a QrunError if that needs Ray and Ray is not installed."""
-        spec = cls(args.replicas, args.ray_address, args.cpus_per_replica, args.gpus_per_replica)
-        if spec.on_ray and importlib.util.find_spec("ray") is None:
-            what = f"--replicas {spec.count}" if spec.count > 1 else "--ray-address"
-            raise QrunError(f"{what} runs on Ray, which is not installed: {RAY_INSTALL_HINT}")
-        return spec
+        return cls(args.replicas, args.ray_address, args.cpus_per_replica, args.gpus_per_replica)
 
     @property
     def on_ray(self) -> bool:
         return self.count > 1 or self.address is not None
+
+    def check_ray_installed(self) -> None:
+        """A QrunError saying what to install, if these replicas need Ray and it is missing."""
+        if self.on_ray and importlib.util.find_spec("ray") is None:
+            what = f"--replicas {self.count}" if self.count > 1 else "--ray-address"
+            raise QrunError(f"{what} runs on Ray, which is not installed: {RAY_INSTALL_HINT}")
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +81,16 @@ def connect(spec: ReplicaSpec) -> ModuleType:
     local = {} if spec.address else {"include_dashboard": False}  # a cluster of ours needs no dashboard
     ray.init(address=spec.address, ignore_reinit_error=True, logging_level=logging.WARNING, **local)
     return ray
+
+
+def replicas_failed(report: str) -> QrunError:
+    """Ray's report on replicas that failed (a traceback per attempt, each ending in the replica's
+    own exception line, "qrun.errors.ModelLoadError: ...") as one line: the last such line."""
+    for line in reversed(report.splitlines()):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match:
+            return QrunError(f"the replicas failed: {match.group(2)} ({match.group(1)}; Ray's log above has more)")
+    return QrunError(f"the replicas failed: {one_line(Exception(report))}")
 
 
 def gpus_per_replica(spec: ReplicaSpec, ray: ModuleType) -> float:

@@ -140,6 +140,17 @@ def test_generate_with_2_replicas_writes_what_1_replica_writes(tiny_llama_dir, r
 
 
 @pytest.mark.ray
+def test_replicas_that_cannot_load_the_model_end_in_one_line_naming_why(ray_address, tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    write_requests(source, 2)
+    assert main(["generate", str(tmp_path / "missing"), "--input", str(source), "--replicas", "2",
+                 "--ray-address", ray_address]) == 1
+    last = capsys.readouterr().err.splitlines()[-1]  # after Ray's own log of each attempt
+    assert last.startswith("qrun: error: the replicas failed: model ") and "not found" in last
+    assert last.endswith("(ModelLoadError; Ray's log above has more)")
+
+
+@pytest.mark.ray
 def test_a_replica_killed_mid_job_is_retried_without_losing_or_repeating_a_row(tiny_llama_dir, ray_address,
                                                                                tmp_path):
     import pyarrow as pa

@@ -47,6 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model; "
                     "pass --api-key or set QRUN_API_KEY", args.host)
     replicas = ReplicaSpec.from_args(args)
+    replicas.check_ray_installed()
     if replicas.on_ray:
         from qrun.server.ray_deployment import serve_on_ray
 

@@ -20,7 +20,7 @@ from ray.serve.deployment import Application
 
 from qrun.async_llm import AsyncLLM
 from qrun.llm_engine import EngineConfig
-from qrun.replicas import ReplicaSpec, connect, gpus_per_replica, model_for_replicas
+from qrun.replicas import ReplicaSpec, connect, gpus_per_replica, model_for_replicas, replicas_failed
 from qrun.server.app import DEFAULT_MAX_QUEUE, build_app
 
 log = logging.getLogger("qrun.server")
@@ -65,7 +65,8 @@ class QrunDeployment:
         return app
 
     def __del__(self) -> None:
-        self.llm.shutdown()
+        if hasattr(self, "llm"):  # not if the constructor failed before the engine existed
+            self.llm.shutdown()
 
 
 def qrun_application(model: str, *, app_args: dict[str, Any] | None = None,
@@ -91,7 +92,13 @@ def serve_on_ray(model: str, engine_args: dict[str, Any], app_args: dict[str, An
         **engine_args)
     serve.start(http_options={"host": host, "port": port})
     try:
-        serve.run(application, name=APP_NAME, route_prefix="/")  # returns once every replica is up
+        try:
+            serve.run(application, name=APP_NAME, route_prefix="/")  # returns once every replica is up
+        except RuntimeError as err:  # it says only that the deployment failed; its status says why
+            status = serve.status().applications.get(APP_NAME)
+            serve.delete(APP_NAME)
+            raise replicas_failed("\n".join(d.message for d in status.deployments.values()) if status
+                                  else str(err)) from err
         log.info("serving %s on http://%s:%d with %d replicas", model, host, port, replicas.count)
         while True:
             time.sleep(3600)
