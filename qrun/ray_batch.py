@@ -95,8 +95,8 @@ def answer_on_ray(model: str, engine_args: dict[str, Any], requests: list[dict[s
     import ray.data
 
     batch_size = min(MAX_BATCH_ROWS, math.ceil(len(requests) / (BATCHES_PER_REPLICA * replicas.count)))
-    rows = [{"index": index, REQUEST_COLUMN: json.dumps(request)} for index, request in enumerate(requests)]
-    answered = ray.data.from_items(rows).map_batches(
+    inputs = [{"index": index, REQUEST_COLUMN: json.dumps(request)} for index, request in enumerate(requests)]
+    answered = ray.data.from_items(inputs).map_batches(
         QrunPredictor, batch_format="pyarrow", batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=replicas.count),
         num_cpus=replicas.cpus, num_gpus=gpus_per_replica(replicas, ray),
@@ -105,12 +105,12 @@ def answer_on_ray(model: str, engine_args: dict[str, Any], requests: list[dict[s
     try:
         # Columns picked here, not by a Ray Data projection: its tasks would wait for a CPU that
         # the replicas hold until the job ends.
-        rows = [row for batch in answered.iter_batches(batch_format="pyarrow", batch_size=None)
-                for row in batch.select(["index", *ANSWER_SCHEMA.names]).to_pylist()]
+        outputs = [row for batch in answered.iter_batches(batch_format="pyarrow", batch_size=None)
+                   for row in batch.select(["index", *ANSWER_SCHEMA.names]).to_pylist()]
     except Exception as err:  # Ray's report of replicas that failed, tracebacks and all
         raise replicas_failed(str(err)) from err
     answers: list[dict[str, Any] | None] = [None] * len(requests)
-    for row in rows:
+    for row in outputs:
         index = row.pop("index")
         if answers[index] is not None:
             raise QrunError(f"Ray returned request {index} twice")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from qrun.errors import QrunError, one_line
+from qrun.errors import QrunError
 
 RAY_INSTALL_HINT = 'pip install -e ".[ray]"'
 # A traceback's last line: the exception's (dotted) class name and its message.
@@ -67,8 +68,8 @@ def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value >= 0:
+        value = math.nan  # refused below, with negatives and infinity
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
     return value
 
@@ -90,7 +91,7 @@ def replicas_failed(report: str) -> QrunError:
         match = _EXCEPTION_LINE.match(line.strip())
         if match:
             return QrunError(f"the replicas failed: {match.group(2)} ({match.group(1)}; Ray's log above has more)")
-    return QrunError(f"the replicas failed: {one_line(Exception(report))}")
+    return QrunError(f"the replicas failed: {' '.join(report.split())}")
 
 
 def gpus_per_replica(spec: ReplicaSpec, ray: ModuleType) -> float:
