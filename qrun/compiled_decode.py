@@ -3,7 +3,8 @@
 In eager mode a decoder layer costs ~50 small torch ops around its matmuls (norms, rotary, casts,
 the cache write, attention's gathers): at one to a few sequences that overhead is as large as the
 matmuls. Inductor fuses them into a few loops. One compiled `DecoderLayer.forward` serves every
-layer (their weights are its inputs) and every batch size and context length (dynamic shapes);
+layer (their weights are its inputs; a mixed-bit model's layers of different structure get
+graphs of their own, MAX_GRAPHS) and every batch size and context length (dynamic shapes);
 it runs the padded form of decode attention (`AttentionMetadata.padded_decode`), so it applies to
 steps where every sequence decodes one token and their context lengths are close.
 
@@ -44,6 +45,11 @@ COMPILE_AFTER_DECODE_STEPS = 256  # see the module's docstring
 # Batch sizes that need graphs of their own: 1 (Dynamo specialises size 1), 2 (dense linears take
 # the float16 GEMV path up to cpu_gemv.GEMV_ROWS) and 3 and more.
 WARM_UP_BATCHES = (1, 2, 3)
+# Mixed-bit layers differ in structure (rotated input or not, act-order permutation or not, the
+# int4 kernel's group size): Dynamo builds graphs per structure and warm-up batch (a 4.0-bpw
+# SmolLM2 from the fast preset has 5 structures, 10 graphs, 20 s to compile). A model with more
+# than this many runs the rest of its layers eager.
+MAX_GRAPHS = 64
 
 
 def has_cpp_compiler() -> bool:
@@ -52,12 +58,11 @@ def has_cpp_compiler() -> bool:
 
 
 def can_compile(model: nn.Module, device: torch.device, cache: KVCacheSpec) -> bool:
-    """Whether decode steps can run compiled here: on the CPU (GPUs run the Triton kernels), for
-    dense weights, over a float cache, with a C++ compiler for Inductor. Mixed-bit layers differ
-    from each other in structure (group sizes, permutations, 5-8-bit parts), so one compiled layer
-    would recompile for most of them: quantized models run eager."""
+    """Whether decode steps can run compiled here: on the CPU (GPUs run the Triton kernels), with
+    dense weights or quantized ones on the CPU int4 path, over a float cache, with a C++
+    compiler for Inductor."""
     return (device.type == "cpu" and not cache.quantized
-            and not any(isinstance(module, QuantLinear) for module in model.modules())
+            and all(module.cpu_matmul is not None for module in model.modules() if isinstance(module, QuantLinear))
             and has_cpp_compiler())
 
 
@@ -111,7 +116,8 @@ class CompiledDecode:
             # Without duck shapes, sizes that happen to be equal while tracing (a batch of 3 and 3
             # KV heads) are not assumed equal later: the warm-up's graphs then serve every step.
             # inference_mode as ModelRunner.execute runs: Dynamo builds a graph per grad mode.
-            with torch.fx.experimental._config.patch(use_duck_shape=False), torch.inference_mode():
+            with torch.fx.experimental._config.patch(use_duck_shape=False), torch.inference_mode(), \
+                    torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
                 for batch in WARM_UP_BATCHES:
                     end = self.block_size + 1
                     meta = AttentionMetadata.build([(end - 1, end)] * batch, [[0, 1]] * batch, self.block_size,

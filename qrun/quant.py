@@ -129,6 +129,7 @@ class QuantLinear(nn.Module):
         """Choose this linear's execution path for its device, once (`matmul_path`), and build
         what it needs: the CPU int4 weights, or the kernel table's dequant_matmul."""
         device = self.qweight.device
+        self.input_signs()  # unpacked now: a compiled layer must not see it change on first use
         if matmul_path(device) == "cpu_int4":
             self.cpu_matmul, self.dequant_matmul = CpuQuantMatmul.build([self]), None
         else:

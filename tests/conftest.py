@@ -34,6 +34,15 @@ def tiny_llama_dir(tiny_checkpoints) -> Path:
 
 
 @pytest.fixture(scope="session")
+def calib_file(tmp_path_factory) -> Path:
+    """Calibration text for converting tiny models: held-in Brown text, or a stand-in without ../shared."""
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    source = SHARED / "data" / "text" / "brown_a_press_reportage.txt"
+    path.write_text(source.read_text()[:20000] if source.is_file() else "The quick brown fox jumps over the lazy dog. " * 500)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     from qrun.sources import fetch_alias
 

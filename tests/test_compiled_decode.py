@@ -8,6 +8,7 @@ import torch
 
 import qrun.compiled_decode as compiled_decode
 from qrun import LLM, SamplingParams
+from qrun.convert.main import convert
 from qrun.kernels.paged_attention import padded_decode_attention, paged_attention_ref
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -70,6 +71,23 @@ def test_compiled_decode_generates_the_eager_tokens(tiny_llama_dir, dtype, monke
     expected = [out.outputs[0].token_ids for out in eager.generate(prompts, params, progress=False)]
     got = [out.outputs[0].token_ids for out in compiled.generate(prompts, params, progress=False)]
     assert layer is not None and calls  # decode steps ran compiled
+    assert got == expected
+
+
+@needs_compiler
+def test_a_mixed_bit_model_decodes_compiled_with_the_eager_tokens(tiny_llama_dir, calib_file, tmp_path, monkeypatch):
+    converted = tmp_path / "llama-q"
+    convert(tiny_llama_dir, converted, bits=3.5, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
+    prompts = tiny_prompts(4)
+    params = [SamplingParams(max_tokens=6 + 4 * i, **GREEDY) for i in range(4)]
+    eager = LLM(str(converted), dtype="float32", enforce_eager=True, kv_cache_memory=4_000_000, max_num_seqs=8)
+    compiled = compiled_engine(converted, "float32", monkeypatch)
+    layer = compiled.engine.runner.compiled.layer
+    calls = []
+    compiled.engine.runner.compiled.layer = lambda *args: calls.append(1) or layer(*args)
+    expected = [out.outputs[0].token_ids for out in eager.generate(prompts, params, progress=False)]
+    got = [out.outputs[0].token_ids for out in compiled.generate(prompts, params, progress=False)]
+    assert layer is not None and calls
     assert got == expected
 
 

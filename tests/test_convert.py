@@ -17,18 +17,7 @@ from qrun.convert.calibration import CalibrationError
 from qrun.convert.job import ConvertError
 from qrun.convert.main import convert
 
-SHARED_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "text"
 FAST = dict(preset="fast", calib_rows=8, calib_len=64)
-
-
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    source = SHARED_TEXT / "brown_a_press_reportage.txt"
-    text = source.read_text()[:20000] if source.is_file() else (
-        "The quick brown fox jumps over the lazy dog. " * 500)
-    path.write_text(text)
-    return path
 
 
 @pytest.fixture(scope="module")
