@@ -5,7 +5,8 @@ Starts `qrun serve MODEL` on a free loopback port with a small KV cache (so sequ
 preempted) and a short queue (so some requests get 429), then `--concurrency` clients send
 `--requests` requests drawn from a seeded mix: completions and chat, streamed or not, n up to 4,
 stop strings, JSON-constrained outputs, prompts sharing long prefixes; about `--abandon` of the
-clients disconnect at a random point mid-stream or time out. At the end it checks:
+clients disconnect at a random point mid-stream or time out, and a request turned away with 429
+is sent again with backoff. At the end it checks:
 
 - every request had exactly one outcome: complete, error (with its status) or abandoned;
 - the engine returns to idle: no sequence running or waiting, every KV block free, no block
@@ -13,7 +14,7 @@ clients disconnect at a random point mid-stream or time out. At the end it check
 - the server's resident memory grew by less than `--max-rss-growth` between the 200th and the
   last request;
 - /metrics agrees with the client: requests per HTTP status match (an abandoned request counts
-  as 200 or 499, whichever the server saw first).
+  as 200 or 499, whichever the server saw first; every 429 counts).
 
     python scripts/soak.py smollm2-135m --requests 1000
     python scripts/soak.py smollm2-135m --requests 200 -- --kv-cache-dtype int8
@@ -43,6 +44,7 @@ from qrun.server.app import RETRY_AFTER_S
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
 # A request that has not finished by then is stuck: the soak fails it as a hang.
 HANG_S = 600.0
+MAX_ATTEMPTS = 6
 RSS_BASELINE_REQUEST = 200
 SYSTEM_PROMPTS = [  # shared prefixes, so the prefix cache has blocks to share and to release
     "You are a careful assistant. Answer in one or two sentences, plainly, without lists.",
@@ -72,6 +74,7 @@ class Outcome:
     latency: float
     completion_tokens: int = 0
     detail: str = ""
+    rejections: int = 0  # 429 answers before this outcome
 
 
 def plan_requests(count: int, prompts: list[str], abandon: float, seed: int) -> list[Plan]:
@@ -80,7 +83,7 @@ def plan_requests(count: int, prompts: list[str], abandon: float, seed: int) -> 
     for i in range(count):
         text = rng.choice(prompts)
         stream = rng.random() < 0.5
-        body: dict = {"model": "soak", "max_tokens": rng.randint(4, 48), "temperature": rng.choice([0, 0.7, 1.0]),
+        body: dict = {"model": "soak", "max_tokens": rng.randint(4, 32), "temperature": rng.choice([0, 0.7, 1.0]),
                       "seed": i, "stream": stream, "n": rng.choice([1, 1, 1, 2, 4])}
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -108,8 +111,19 @@ def plan_requests(count: int, prompts: list[str], abandon: float, seed: int) -> 
 
 
 async def run_request(host: str, port: int, plan: Plan) -> Outcome:
+    """The request's one outcome. Turned away with 429, it is sent again after Retry-After,
+    doubling the wait each time (OpenAI's clients back off alike), up to MAX_ATTEMPTS."""
     start = time.perf_counter()
+    for rejections in range(MAX_ATTEMPTS):
+        outcome = await attempt(host, port, plan, start)
+        if outcome.status != 429 or rejections == MAX_ATTEMPTS - 1:
+            outcome.rejections = rejections
+            return outcome
+        await asyncio.sleep(RETRY_AFTER_S * 2 ** rejections)
+    raise AssertionError("unreachable")
 
+
+async def attempt(host: str, port: int, plan: Plan, start: float) -> Outcome:
     def outcome(kind: str, status: int | None, tokens: int = 0, detail: str = "") -> Outcome:
         return Outcome(plan.index, kind, status, time.perf_counter() - start, tokens, detail)
 
@@ -171,8 +185,6 @@ async def soak(url: str, plans: list[Plan], concurrency: int, server_pid: int) -
     async def client() -> None:
         for plan in pending:
             outcomes.append(await run_request(host, int(port), plan))
-            if outcomes[-1].status == 429:  # as a well-behaved client does: wait the Retry-After
-                await asyncio.sleep(RETRY_AFTER_S)
             if len(outcomes) % 100 == 0:
                 print(f"{len(outcomes)} requests done", file=sys.stderr)
             if len(outcomes) == min(RSS_BASELINE_REQUEST, len(plans)):
@@ -199,6 +211,7 @@ def check(outcomes: list[Outcome], plans: list[Plan], metrics: dict[str, float],
             failures.append(f"after the soak {name} = {metrics[name]}, not 0")
     served = {int(m.group(1)): int(v) for k, v in metrics.items() if (m := re.match(r'qrun_http_requests_total\{status="(\d+)"\}', k))}
     seen = Counter(o.status for o in outcomes if o.kind != "abandoned")
+    seen[429] += sum(o.rejections for o in outcomes)
     for status in sorted(set(served) | set(seen)):
         if status not in (200, 499) and served.get(status, 0) != seen.get(status, 0):
             failures.append(f"/metrics counts {served.get(status, 0)} answers {status}, the clients {seen.get(status, 0)}")
@@ -221,6 +234,7 @@ def print_table(outcomes: list[Outcome], metrics: dict[str, float], rss: dict, e
         ("complete", kinds["complete"]),
         ("error", f"{kinds['error']} ({', '.join(f'{s}: {n}' for s, n in sorted(statuses.items(), key=str))})"),
         ("abandoned by the client", kinds["abandoned"]),
+        ("429 answers (then retried)", sum(o.rejections for o in outcomes)),
         ("preemptions", int(metrics.get("qrun_preemptions_total", 0))),
         ("generated tokens (server)", int(metrics.get("qrun_generation_tokens_total", 0))),
         ("latency p50 / p99 s (complete)", f"{percentile(latency, 50):.2f} / {percentile(latency, 99):.2f}"),

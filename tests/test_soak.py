@@ -28,4 +28,5 @@ def test_soak_leaves_no_request_without_one_outcome_and_nothing_leaked(tiny_llam
     rows = dict(line.strip("|").split("|")[:2] for line in report.splitlines() if line.startswith("| ") and "---" not in line)
     rows = {name.strip(): value.strip() for name, value in rows.items()}
     assert int(rows["requests"]) == 120
-    assert int(rows["abandoned by the client"]) > 0 and "429" in rows["error"] and int(rows["preemptions"]) > 0
+    assert int(rows["abandoned by the client"]) > 0 and int(rows["preemptions"]) > 0
+    assert int(rows["429 answers (then retried)"]) > 0
