@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import AsyncIterator, Callable
 
 from qrun.errors import EngineStopped
+from qrun.heap import HeapTrimmer
 from qrun.llm_engine import EngineConfig, LLMEngine
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
@@ -52,7 +53,10 @@ class AsyncLLM:
 
     def _serve(self) -> None:
         engine = self.engine
+        heap = HeapTrimmer()
         while not self._stopping:
+            if not engine.has_unfinished_requests():
+                heap.on_idle()
             # Block while idle; between steps, take every pending command without waiting.
             try:
                 _run_command(*self._commands.get(timeout=None if not engine.has_unfinished_requests() else 0))
@@ -74,6 +78,7 @@ class AsyncLLM:
             self._stats = engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
+            heap.after_step()
 
     def _close(self, reason: str) -> None:
         """Refuse new commands, and fail the pending ones and every open stream, with `reason`."""
