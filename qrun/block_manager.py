@@ -39,6 +39,9 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
         self.prefix_queries = 0  # prompt tokens looked up, for the hit rate
         self.prefix_hits = 0
+        # Sequences' references to blocks, summed: 0 whenever no sequence holds a block. Kept as
+        # ref counts change rather than summed, since /metrics' snapshot reads it every step.
+        self.num_references = 0
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -53,11 +56,6 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    @property
-    def num_references(self) -> int:
-        """Sequences' references to blocks, summed: 0 whenever no sequence holds a block."""
-        return sum(block.ref_count for block in self.blocks)
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -71,6 +69,7 @@ class BlockManager:
             del self.cached[block.hash]
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
+        self.num_references += 1
         return block_id
 
     def _ref(self, block_id: int) -> None:
@@ -78,6 +77,7 @@ class BlockManager:
         if block.ref_count == 0:
             del self.evictable[block_id]
         block.ref_count += 1
+        self.num_references += 1
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached block ids (and their hashes) holding the longest prefix of `seq`'s tokens.
@@ -138,6 +138,7 @@ class BlockManager:
             index = seq.num_computed_tokens // self.block_size
             src = seq.block_table[index]
             self.blocks[src].ref_count -= 1  # still referenced by the other sequence
+            self.num_references -= 1
             dst = self._take_free_block()
             seq.block_table[index] = dst
             self.pending_copies.append((src, dst))
@@ -174,6 +175,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
+            self.num_references -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 if block.hash is not None:

@@ -79,6 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         held = Counter(b for s in self.scheduler.running for b in s.block_table)
         for block in self.blocks.blocks:
             assert block.ref_count == held[block.block_id], f"block {block.block_id} leaked or freed twice"
+        assert self.blocks.num_references == sum(held.values())
         unreferenced = {b.block_id for b in self.blocks.blocks if b.ref_count == 0}
         assert set(self.blocks.free_ids) | set(self.blocks.evictable) == unreferenced
         assert not set(self.blocks.free_ids) & set(self.blocks.evictable)
