@@ -16,6 +16,7 @@ from qrun.block_manager import BlockManager
 from qrun.config import KV_CACHE_DTYPES
 from qrun.cpu_threads import CpuThreads
 from qrun.errors import QrunError, RequestError
+from qrun.heap import bound_matmul_caches
 from qrun.loader import load_model
 from qrun.kv_cache import KVCacheSpec
 from qrun.memory_plan import kv_blocks
@@ -133,6 +134,7 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        bound_matmul_caches()  # before the first matmul: they read their capacity once (qrun/heap.py)
         self.loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config

@@ -1,6 +1,12 @@
-"""HeapTrimmer: how often a serving engine hands freed memory back to the operating system."""
+"""Native memory of a long-running engine: heap trims, and the matmul caches bounded."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
 
 import qrun.heap as heap
 
@@ -35,3 +41,43 @@ def test_going_idle_trims_once_and_only_after_work(monkeypatch):
 def test_the_trim_is_glibcs_where_there_is_one():
     trim = heap._malloc_trim()
     assert trim is None or trim(0) in (0, 1)
+
+
+MANY_SHAPES = r"""
+import ctypes, sys, torch
+import torch.nn.functional as F
+from qrun.heap import bound_matmul_caches
+if sys.argv[1] == "capped":
+    bound_matmul_caches()
+trim = ctypes.CDLL("libc.so.6").malloc_trim
+def resident_mib():
+    trim(0)
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+weights = [torch.randn(n, k, dtype=torch.bfloat16) for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]]
+def linears(rows):  # every prefill of a server has a new row count
+    for n in rows:
+        for w in weights:
+            F.linear(torch.randn(n, w.shape[1], dtype=torch.bfloat16), w)
+linears(range(1, 101))  # 400 shapes: the capped caches are full
+full = resident_mib()
+linears(range(101, 401))  # 1,200 more
+print(resident_mib() - full)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm and trims glibc's heap")
+def test_capped_matmul_caches_keep_memory_bounded_over_many_shapes():
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    run = subprocess.run([sys.executable, "-c", MANY_SHAPES, "capped"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    growth = float(run.stdout.split()[-1])
+    # uncapped, oneDNN's and ideep's caches keep ~120-170 KiB per shape: hundreds of MiB here
+    assert growth < 32, f"resident memory grew {growth:.0f} MiB over 1,200 new matmul shapes with the caches capped"
+
+
+def test_bounding_the_caches_leaves_a_users_own_setting(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "32")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    heap.bound_matmul_caches()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "32"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(heap.MATMUL_SHAPE_CACHE)
