@@ -521,21 +521,28 @@ def padded_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention in a shape `torch.compile` traces whole: one query per sequence (q:
     [S, Hq, D]), every sequence's keys read through its whole block-table row, the keys past
     its length masked. Unlike `paged_attention_ref` it makes no per-step plan on the host, so a
-    compiled decode step fuses the gather into the attention; it pays for the padding of rows
-    shorter than the longest, so the caller uses it when the lengths are close
-    (`ModelRunner`). Float caches only."""
+    compiled decode step fuses the gather (and a quantized cache's dequantization) into the
+    attention; it pays for the padding of rows shorter than the longest, so the caller uses it
+    when the lengths are close (`ModelRunner`)."""
     sequences, width = block_tables.shape
     length = width * k_cache.shape[1]
     dtype = _compute_dtype(q, k_cache)
 
-    def context(cache: torch.Tensor) -> torch.Tensor:  # [S, Hkv, length, D]
-        return cast(cache[block_tables].flatten(1, 2).transpose(1, 2), dtype)
+    def context(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:  # [S, Hkv, length, D]
+        gathered = cache[block_tables]
+        if scales is None:
+            gathered = cast(gathered, dtype)
+        else:
+            gathered = dequantize_kv_ref(gathered, scales[block_tables], dtype)
+        return gathered.flatten(1, 2).transpose(1, 2)
 
     mask = (torch.arange(length, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    attended = F.scaled_dot_product_attention(cast(q, dtype).unsqueeze(2), context(k_cache), context(v_cache),
-                                              attn_mask=mask, scale=scale, enable_gqa=True)
+    attended = F.scaled_dot_product_attention(cast(q, dtype).unsqueeze(2), context(k_cache, k_scales),
+                                              context(v_cache, v_scales), attn_mask=mask, scale=scale, enable_gqa=True)
     return cast(attended.squeeze(2), q.dtype)

@@ -99,7 +99,8 @@ class Attention(nn.Module):
             q, k, v = q @ rotation, k @ rotation, v @ rotation
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scales, cache.v_scales)
         if meta.padded_decode:
-            out = padded_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale)
+            out = padded_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
+                                          cache.k_scales, cache.v_scales)
         else:
             out = self.ops.paged_attention(
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,

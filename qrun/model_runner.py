@@ -27,7 +27,7 @@ class ModelRunner:
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, means)
         self.half_gemv = uses_half_gemv(self.model)
         self.compiled = (CompiledDecode(self.model, self.kv_cache)
-                         if compile_decode and can_compile(self.model, self.device, cache) else None)
+                         if compile_decode and can_compile(self.model, self.device) else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -95,7 +95,7 @@ class QrunSystem:
         compiled = self.llm.engine.runner.compiled
         if compiled is not None and compiled.layer is None:
             t = time.perf_counter()
-            compiled.start().join()
+            compiled.compile_now()
             print(f"[{self.name}] compiled decode steps in {time.perf_counter() - t:.1f}s", flush=True)
 
     def run(self, requests: list[BenchRequest]) -> dict:
