@@ -70,7 +70,7 @@ def dequantize_kv_ref(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     parts = [grouped & 15, grouped >> 4] if data.dtype == torch.uint8 else [grouped]  # int4: the two nibbles
     if len(parts) == 2 and not torch.compiler.is_compiling():  # Inductor fuses nibbles apart (7x faster there)
         parts = [torch.cat(parts, dim=-1)]  # eager: joins the bytes, then dequantizes in one pass
-    out = [cast(part.to(torch.float32).mul_(scale).add_(zero), dtype) for part in parts]  # 2.5-5x addcmul's speed
+    out = [cast(part.to(torch.float32).mul_(scale).add_(zero), dtype) for part in parts]  # 2-5x addcmul's speed
     return (out[0] if len(out) == 1 else torch.cat(out, dim=-1)).flatten(-2)
 
 

@@ -2,9 +2,10 @@
 
 torch's CPU bfloat16 matmuls run on oneDNN (through ideep), which keeps a compiled kernel for
 every input shape it has seen, in two caches of 1,024 entries each by default: a server sees a
-new row count with almost every prefill, so they only grow (2,400 shapes of SmolLM2's linears:
-+400 MiB after a heap trim; capped at 256 entries, +41 MiB). `bound_matmul_caches` caps both at
-MATMUL_SHAPE_CACHE, which still holds every decode batch size a step repeats.
+new row count with almost every prefill, so they only grow (1,200 new shapes of SmolLM2's linears
+after a heap trim: +403 MiB; with both capped at 256 entries, +3 MiB once they are full).
+`bound_matmul_caches` caps both at MATMUL_SHAPE_CACHE, which still holds every decode batch
+size a step repeats.
 
 glibc's allocator keeps much of what a long-running engine frees (activations of every new
 prefill size, scratch of every new matmul shape) in its heaps instead of returning it, so a

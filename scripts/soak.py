@@ -114,13 +114,12 @@ async def run_request(host: str, port: int, plan: Plan) -> Outcome:
     """The request's one outcome. Turned away with 429, it is sent again after Retry-After,
     doubling the wait each time (OpenAI's clients back off alike), up to MAX_ATTEMPTS."""
     start = time.perf_counter()
-    for rejections in range(MAX_ATTEMPTS):
-        outcome = await attempt(host, port, plan, start)
-        if outcome.status != 429 or rejections == MAX_ATTEMPTS - 1:
-            outcome.rejections = rejections
-            return outcome
+    rejections = 0
+    while (outcome := await attempt(host, port, plan, start)).status == 429 and rejections < MAX_ATTEMPTS - 1:
         await asyncio.sleep(RETRY_AFTER_S * 2 ** rejections)
-    raise AssertionError("unreachable")
+        rejections += 1
+    outcome.rejections = rejections
+    return outcome
 
 
 async def attempt(host: str, port: int, plan: Plan, start: float) -> Outcome:
