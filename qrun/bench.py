@@ -184,11 +184,11 @@ def decode_step_bytes(model, context: int, cache: "KVCacheSpec") -> int:
     """Bytes a batch-1 decode step of `model` reads: every tensor its forward touches (the
     embedding: one row; a quantized linear: the form it runs, not the packed file tensors),
     plus the K/V of `context` tokens."""
-    from qrun.cpu_gemv import HalfGemvLinear
+    from qrun.cpu_linear import CpuDenseLinear
     from qrun.quant import CpuQuantMatmul, QuantLinear
 
     def tensors(module) -> list:
-        if isinstance(module, HalfGemvLinear):  # a batch-1 step reads the float16 copy
+        if isinstance(module, CpuDenseLinear):  # a batch-1 step reads the float16 copy
             return [t for t in (module.weight_f16, module.bias_f16) if t is not None]
         if isinstance(module, CpuQuantMatmul):
             pieces = [module.perm, module.dense, module.bias, *(module.low or ()), *(module.high or ())]
@@ -206,7 +206,7 @@ def decode_step_bytes(model, context: int, cache: "KVCacheSpec") -> int:
     # whole (tied, and not through a float16 copy of its own).
     tables = [model.cos_sin]
     head = model.lm_head
-    if getattr(head, "weight", None) is not model.embed_tokens.weight or isinstance(head, HalfGemvLinear):
+    if getattr(head, "weight", None) is not model.embed_tokens.weight or isinstance(head, CpuDenseLinear):
         tables.append(model.embed_tokens.weight)
     total -= sum(nbytes(t) - nbytes(t[0]) for t in tables)
     return total + context * cache.bytes_per_token(model.config)

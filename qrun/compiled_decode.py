@@ -44,7 +44,7 @@ MAX_DECODE_PADDING = 1.5
 PADDING_BYTES = 64 << 20
 COMPILE_AFTER_DECODE_STEPS = 256  # see the module's docstring
 # Batch sizes that need graphs of their own: 1 (Dynamo specialises size 1), 2 (dense linears take
-# the float16 GEMV path up to cpu_gemv.GEMV_ROWS) and 3 and more.
+# the float16 GEMV path up to cpu_linear.GEMV_ROWS) and 3 and more.
 WARM_UP_BATCHES = (1, 2, 3)
 # Mixed-bit layers differ in structure (rotated input or not, act-order permutation or not, the
 # int4 kernel's group size): Dynamo builds graphs per structure and warm-up batch (a 4.0-bpw

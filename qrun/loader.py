@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from qrun.config import ModelConfig
-from qrun.cpu_gemv import half_gemv_applies, use_half_gemv
+from qrun.cpu_linear import cpu_dense_linears_apply, use_cpu_dense_linears
 from qrun.errors import ModelLoadError, one_line
 from qrun.model import Transformer
 from qrun.sources import ModelSource, read_json_object, resolve
@@ -353,7 +353,7 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
         prepare_quantized_linears(net)
     if fuse_projections:
         net.fuse_projections()
-    if half_gemv_applies(torch_device, torch_dtype):
-        use_half_gemv(net)
+    if cpu_dense_linears_apply(torch_device, torch_dtype):
+        use_cpu_dense_linears(net)
     net.eval().requires_grad_(False)
     return LoadedModel(net, config, tokenizer, source, hf_config)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
-from qrun.cpu_gemv import GEMV_ROWS, bfloat16_only, uses_half_gemv
+from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_means
 from qrun.model import AttentionMetadata
@@ -25,7 +25,7 @@ class ModelRunner:
         self.block_size = block_size
         means = key_means(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, means)
-        self.half_gemv = uses_half_gemv(self.model)
+        self.half_gemv = uses_cpu_dense_linears(self.model)
         self.compiled = (CompiledDecode(self.model, self.kv_cache)
                          if compile_decode and can_compile(self.model, self.device) else None)
 

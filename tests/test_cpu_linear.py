@@ -1,16 +1,18 @@
-"""Dense linears decode small batches through a float16 copy and fall back where it overflows."""
+"""Dense bfloat16 linears on the CPU: small batches through a float16 copy (falling back where it
+overflows), larger ones through a prepacked weight with the plain linear's exact result."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from qrun.cpu_gemv import HalfGemvLinear, bfloat16_only, use_half_gemv
+from qrun.cpu_linear import CpuDenseLinear, bfloat16_only, can_prepack, use_cpu_dense_linears
 
 
 def linear(k=64, n=48, bias=True):
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-    return lin, HalfGemvLinear(lin)
+    return lin, CpuDenseLinear(lin)
 
 
 def test_one_row_matches_the_bfloat16_linear():
@@ -56,9 +58,25 @@ def test_a_step_past_float16_range_reruns_in_bfloat16(tiny_llama_dir):
     assert llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids == expected
 
 
-def test_every_dense_linear_is_swapped_keeping_its_weight():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
-    weight = model[1][0].weight
-    use_half_gemv(model)
-    assert isinstance(model[0], HalfGemvLinear) and isinstance(model[1][0], HalfGemvLinear)
-    assert model[1][0].weight is weight
+def test_every_dense_linear_is_swapped_keeping_a_shared_weight_as_it_is():
+    torch.manual_seed(0)
+    tied = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    own = nn.Linear(8, 4).to(torch.bfloat16)
+    model = nn.Sequential(tied, nn.Sequential(own), nn.Linear(8, 8, bias=False).to(torch.bfloat16))
+    model[2].weight = tied.weight  # as a head tied to the embedding
+    plain = own.weight.detach().clone()
+    use_cpu_dense_linears(model)
+    assert all(isinstance(m, CpuDenseLinear) for m in (model[0], model[1][0], model[2]))
+    assert model[0].weight is tied.weight and model[2].weight is tied.weight
+    if can_prepack():  # the packed copy replaces a weight no other module reads
+        assert model[1][0].weight.is_mkldnn and torch.equal(model[1][0].weight.to_dense(), plain)
+    x = torch.randn(6, 8).to(torch.bfloat16)
+    torch.testing.assert_close(model[1][0](x), F.linear(x, plain, own.bias), rtol=0, atol=0)
+
+
+def test_the_compiled_linear_equals_the_eager_one():
+    _, dense = linear()
+    compiled = torch.compile(dense.forward, dynamic=True)
+    for rows in (3, 7):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        torch.testing.assert_close(compiled(x), dense(x), rtol=0, atol=0)

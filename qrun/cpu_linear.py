@@ -1,0 +1,123 @@
+"""Dense bfloat16 linears on x86 CPUs: a float16 GEMV at one or two rows, oneDNN on a prepacked
+weight at more.
+
+At one or two rows a linear is a matrix-vector product bound by reading the weight. torch's
+float16 GEMV on x86 (vectorised, float32 accumulation) reads at close to memory speed, while
+its bfloat16 matmul at one row does not: on an AVX512-BF16 EPYC a 3072 x 576 weight took 151 us
+in float16 and 321 us in bfloat16, and a SmolLM2 decode step fell from 32 to 21 ms. At three
+rows and more float16 loses by far (no hardware GEMM: 3.0 ms vs 0.5 ms at 32 rows), and
+bfloat16's `F.linear` reorders the weight into oneDNN's blocked layout on every call: prepacked
+once at load, SmolLM2's 120 layer matmuls took 12-18 ms instead of 21-29 ms at 3 to 16 rows and
+28 vs 44 ms at 32, with bit-identical results (`torch.ops.mkldnn._linear_pointwise`, the op
+Inductor's weight prepacking runs; it holds the packed weight in place of the plain one).
+
+So each linear keeps two copies, float16 and packed bfloat16 (together what a float32 model
+costs); a head tied to the embedding keeps the embedding's plain bfloat16 weight as well.
+float16 holds 3 more mantissa bits than bfloat16 but overflows past 65504: a forward whose
+output is not finite runs again in bfloat16 (`ModelRunner.execute`, via `bfloat16_only`), one
+check per step rather than one per linear.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GEMV_ROWS = 2
+
+# The packed weight is an opaque oneDNN tensor, which Inductor only lowers when the weight is a
+# constant of the graph. A compiled decode layer takes its weights as inputs, so it calls the
+# matmul through this op, which Inductor leaves as a call. Eager mode calls the oneDNN op itself
+# (the op's dispatch costs ~6 us a call).
+_library = torch.library.Library("qrun", "FRAGMENT")
+_library.define("onednn_linear(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features) -> Tensor")
+
+
+def _onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+_library.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("qrun::onednn_linear")
+def _onednn_linear_shape(x, packed_weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def cpu_dense_linears_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether dense linears of this dtype on this device run as `CpuDenseLinear`s."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+def can_prepack() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU (it needs AVX512: on an AVX2-only CPU W
+    stays plain)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class CpuDenseLinear(nn.Module):
+    """y = x W^T + b, through a float16 copy of W at <= GEMV_ROWS rows, W prepacked for oneDNN
+    at more (or W itself where oneDNN lacks bfloat16)."""
+
+    def __init__(self, linear: nn.Linear, shared: bool = False):
+        """`shared`: W is also another module's (a head tied to the embedding), so it stays
+        as it is and the packed copy is extra; otherwise the packed copy replaces it."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.weight_f16 = linear.weight.detach().to(torch.float16)
+        self.bias_f16 = None if linear.bias is None else linear.bias.detach().to(torch.float16)
+        self.weight = linear.weight
+        self.weight_packed = None
+        if can_prepack():
+            self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            if not shared:
+                self.weight = nn.Parameter(self.weight_packed, requires_grad=False)
+        self.enabled = True  # False inside bfloat16_only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:
+            return F.linear(x.to(torch.float16), self.weight_f16, self.bias_f16).to(x.dtype)
+        if self.weight_packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.qrun.onednn_linear(rows, self.weight_packed, self.bias, self.out_features)
+        else:
+            y = _onednn_linear(rows, self.weight_packed, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@contextmanager
+def bfloat16_only(model: nn.Module) -> Iterator[None]:
+    """Run `model`'s CpuDenseLinears on their bfloat16 weights inside the block."""
+    linears = [m for m in model.modules() if isinstance(m, CpuDenseLinear)]
+    for lin in linears:
+        lin.enabled = False
+    try:
+        yield
+    finally:
+        for lin in linears:
+            lin.enabled = True
+
+
+def uses_cpu_dense_linears(model: nn.Module) -> bool:
+    return any(isinstance(m, CpuDenseLinear) for m in model.modules())
+
+
+def use_cpu_dense_linears(model: nn.Module) -> None:
+    """Swap every dense nn.Linear of `model` for a CpuDenseLinear (the caller checks it applies)."""
+    references: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        references[id(param)] = references.get(id(param), 0) + 1
+    for module in list(model.modules()):  # the loop replaces submodules
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                setattr(module, name, CpuDenseLinear(child, shared=references[id(child.weight)] > 1))
