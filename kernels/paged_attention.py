@@ -170,8 +170,8 @@ def paged_attention_ref(
         b = group_queries.shape[0]
         k = _context(k_cache, k_scales, group.blocks, b, group.length, dtype)
         v = _context(v_cache, v_scales, group.blocks, b, group.length, dtype)
-        attended = cast(F.scaled_dot_product_attention(group_queries.unsqueeze(2), k, v, attn_mask=group.mask,
-                                                       scale=scale, enable_gqa=True).squeeze(2), q.dtype)
+        attended = cast(F.scaled_dot_product_attention(group_queries.unflatten(1, (k.shape[1], -1)), k, v,
+                                                       attn_mask=group.mask, scale=scale).flatten(1, 2), q.dtype)
         if group.rows is None and out is None:  # the whole step in one group: no scatter
             return attended
         if out is None:
@@ -543,6 +543,8 @@ def padded_decode_attention(
         return gathered.flatten(1, 2).transpose(1, 2)
 
     mask = (torch.arange(length, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    attended = F.scaled_dot_product_attention(cast(q, dtype).unsqueeze(2), context(k_cache, k_scales),
-                                              context(v_cache, v_scales), attn_mask=mask, scale=scale, enable_gqa=True)
-    return cast(attended.squeeze(2), q.dtype)
+    # a KV head's queries as one query block: SDPA then reads its K/V once for all of them
+    k, v = context(k_cache, k_scales), context(v_cache, v_scales)
+    attended = F.scaled_dot_product_attention(cast(q, dtype).unflatten(1, (k.shape[1], -1)), k, v, attn_mask=mask,
+                                              scale=scale)
+    return cast(attended.flatten(1, 2), q.dtype)
