@@ -8,8 +8,9 @@ in float16 and 321 us in bfloat16, and a SmolLM2 decode step fell from 32 to 21 
 rows and more float16 loses by far (no hardware GEMM: 3.0 ms vs 0.5 ms at 32 rows), and
 bfloat16's `F.linear` reorders the weight into oneDNN's blocked layout on every call: prepacked
 once at load, SmolLM2's 120 layer matmuls took 12-18 ms instead of 21-29 ms at 3 to 16 rows and
-28 vs 44 ms at 32, with bit-identical results (`torch.ops.mkldnn._linear_pointwise`, the op
-Inductor's weight prepacking runs; it holds the packed weight in place of the plain one).
+28 vs 44 ms at 32 in a microbenchmark, with bit-identical results
+(`torch.ops.mkldnn._linear_pointwise`, the op Inductor's weight prepacking runs). The module
+holds the packed weight in place of the plain one.
 
 So each linear keeps two copies, float16 and packed bfloat16 (together what a float32 model
 costs); a head tied to the embedding keeps the embedding's plain bfloat16 weight as well.
