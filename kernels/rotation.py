@@ -52,7 +52,10 @@ def factor_sizes(k: int) -> list[int]:
 
 
 @lru_cache(maxsize=None)
-def _factors(k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def rotation_factors(k: int, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """F's Kronecker factors for K inputs (cached). A module that rotates inside a compiled graph
+    holds them and passes them to `rotate`: Dynamo traces through the cache, so a graph that
+    looked them up would rebuild every factor on every call (~0.1 ms per rotation)."""
     sizes = factor_sizes(k)
     made = [_sylvester(s) if s & (s - 1) == 0 else _hartley(s) for s in sizes]
     return tuple(f.to(device=device, dtype=dtype) for f in made)
@@ -62,7 +65,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _apply_f(y: torch.Tensor) -> torch.Tensor:
+def _apply_f(y: torch.Tensor, factors: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
     """y @ F over the last dimension (F symmetric and orthogonal: F = F^T = F^-1), y float32 or 64.
 
     Y viewed as [rows, d1, d2, ...]: the factor of axis i contracts it in place as one matmul on
@@ -72,7 +75,7 @@ def _apply_f(y: torch.Tensor) -> torch.Tensor:
     shape, k = y.shape, y.shape[-1]
     rows = y.numel() // k
     before = 1
-    for f in _factors(k, y.device, y.dtype):
+    for f in factors if factors is not None else rotation_factors(k, y.device, y.dtype):
         size = f.shape[0]
         after = k // (before * size)
         if after == 1:
@@ -83,16 +86,17 @@ def _apply_f(y: torch.Tensor) -> torch.Tensor:
     return y.view(shape)
 
 
-def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> x R with R = diag(signs) F (signs: +-1 per input, any float or int dtype)."""
+def rotate(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """x [..., K] -> x R with R = diag(signs) F (signs: +-1 per input, any float or int dtype;
+    `factors`: `rotation_factors` in x's compute dtype, looked up when not given)."""
     dtype = _compute_dtype(x)
-    return cast(_apply_f(cast(x, dtype) * cast(signs, dtype)), x.dtype)
+    return cast(_apply_f(cast(x, dtype) * cast(signs, dtype), factors), x.dtype)
 
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The inverse: x R^T = (x F) * signs."""
     dtype = _compute_dtype(x)
-    return (_apply_f(x.to(dtype)) * signs.to(dtype)).to(x.dtype)
+    return (_apply_f(x.to(dtype), None) * signs.to(dtype)).to(x.dtype)
 
 
 def random_signs(k: int, seed: int = 0) -> torch.Tensor:

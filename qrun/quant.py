@@ -28,7 +28,7 @@ from qrun.errors import ModelLoadError
 from qrun.kernels import backend, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
                                          group_values, unpack_rows)
-from qrun.kernels.rotation import rotate, unpack_signs, unrotate
+from qrun.kernels.rotation import rotate, rotation_factors, unpack_signs, unrotate
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 CPU_MODES = ("fast", "ref")
@@ -76,6 +76,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(layout.out_features, dtype=dtype), requires_grad=False) if bias else None
         self._identity: torch.Tensor | None = None
         self._signs: torch.Tensor | None = None
+        self.input_rotation: InputRotation | None = None  # set by `prepare` where rotates_input
         self.cpu_matmul: CpuQuantMatmul | None = None  # the "cpu_int4" path's weights
         self.dequant_matmul = None  # the "dequant_matmul" path's op; both None until `prepare`
 
@@ -115,10 +116,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.rotates_input:
-            x2 = rotate(x2, self.input_signs())
         if self.cpu_matmul is None and self.dequant_matmul is None:
             self.prepare()  # the loader does this; a module built by hand prepares on first use
+        if self.rotates_input:
+            x2 = self.input_rotation(x2)
         if self.cpu_matmul is not None:
             y = self.cpu_matmul(x2)
         else:
@@ -129,7 +130,8 @@ class QuantLinear(nn.Module):
         """Choose this linear's execution path for its device, once (`matmul_path`), and build
         what it needs: the CPU int4 weights, or the kernel table's dequant_matmul."""
         device = self.qweight.device
-        self.input_signs()  # unpacked now: a compiled layer must not see it change on first use
+        signs = self.input_signs()  # unpacked now: a compiled layer must not see it change on first use
+        self.input_rotation = None if signs is None else InputRotation(signs)
         if matmul_path(device) == "cpu_int4":
             self.cpu_matmul, self.dequant_matmul = CpuQuantMatmul.build([self]), None
         else:
@@ -259,9 +261,10 @@ class InputRotation(nn.Module):
     def __init__(self, signs: torch.Tensor):
         super().__init__()
         self.register_buffer("signs", signs, persistent=False)
+        self.factors = rotation_factors(signs.shape[0], signs.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rotate(x, self.signs)
+        return rotate(x, self.signs, self.factors)
 
 
 # The model's input slots (an nn.Identity until shared) and the linears that read each, named
