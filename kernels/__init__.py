@@ -1,8 +1,12 @@
-"""The one dispatch point between Triton kernels and their torch references.
+"""The one dispatch point between the kernels (Triton on GPUs, C++ on CPUs) and their torch
+references.
 
-`QRUN_KERNELS=torch|triton|auto` forces a choice; `auto` runs Triton on CUDA devices and the
-torch references elsewhere. Both implementations of an op share one signature, so callers
-resolve the ops once (`ops_for`) and call them without knowing which they got.
+`QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
+the CPU the C++ kernels where an op has one (paged attention's decode rows:
+`kernels/cpu_attention.py`, built at first use) and the torch references for the rest, or the
+references alone where no C++ compiler builds them. Every implementation of an op shares one
+signature, so callers resolve the ops once (`ops_for`) and call them without knowing which
+they got.
 """
 
 from __future__ import annotations
@@ -12,16 +16,18 @@ from types import SimpleNamespace
 
 import torch
 
+from qrun.kernels import cpu_attention
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
 
-_CHOICES = ("auto", "torch", "triton")
+_CHOICES = ("auto", "torch", "triton", "cpu")
 
 IMPLEMENTATIONS: dict[str, dict[str, object]] = {
-    "paged_attention": {"torch": paged_attention_ref, "triton": paged_attention_triton},
+    "paged_attention": {"torch": paged_attention_ref, "triton": paged_attention_triton,
+                        "cpu": cpu_attention.paged_attention_cpu},
     "store_kv": {"torch": store_kv_ref, "triton": store_kv_triton},
     "rms_norm": {"torch": rms_norm_ref, "triton": rms_norm_triton},
     "apply_rotary": {"torch": apply_rotary_ref, "triton": apply_rotary_triton},
@@ -30,22 +36,29 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
 
 
 def backend(device: torch.device) -> str:
-    """'triton' or 'torch' for tensors on `device`, honouring QRUN_KERNELS."""
+    """'triton', 'cpu' or 'torch' for tensors on `device`, honouring QRUN_KERNELS."""
     choice = os.environ.get("QRUN_KERNELS", "auto").lower()
     if choice not in _CHOICES:
         raise ValueError(f"QRUN_KERNELS={choice!r} is not one of {', '.join(_CHOICES)}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if device.type == "cpu" and cpu_attention.available() else "torch"
+    if choice == "cpu" and not cpu_attention.available():
+        raise RuntimeError("QRUN_KERNELS=cpu, but the C++ kernels did not build here (see the warning above); "
+                           "unset it to run the torch references")
     return choice
 
 
 def ops_for(device: torch.device) -> SimpleNamespace:
-    """The implementation of every op for tensors on `device`, as attributes."""
+    """The implementation of every op for tensors on `device`, as attributes. The C++ backend
+    covers some ops; the rest run their torch references."""
     chosen = backend(device)
-    missing = [name for name, impls in IMPLEMENTATIONS.items() if chosen not in impls]
+    fallback = "torch" if chosen == "cpu" else None
+    missing = [name for name, impls in IMPLEMENTATIONS.items() if chosen not in impls and fallback not in impls]
     if missing:
         raise RuntimeError(f"no {chosen} implementation of {', '.join(missing)}; set QRUN_KERNELS=torch")
-    return SimpleNamespace(**{name: impls[chosen] for name, impls in IMPLEMENTATIONS.items()})
+    return SimpleNamespace(**{name: impls.get(chosen, impls.get(fallback)) for name, impls in IMPLEMENTATIONS.items()})
 
 
 __all__ = ["IMPLEMENTATIONS", "backend", "ops_for", "rotary_cos_sin"]

@@ -161,7 +161,11 @@ def paged_attention_ref(
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: decodes in a few batched groups of similar length, prefill chunks one by
-    one. With scales the cache is quantized (`kernels/kv_quant.py`) and read dequantized."""
+    one (`prefill_attention_ref`: below the Triton kernels, whose cache keys count the lines
+    above them, so this file keeps its line count here and the GPU-compile check its cache).
+    With scales the cache is quantized (`kernels/kv_quant.py`) and read dequantized.
+    On the CPU the kernel table runs `kernels/cpu_attention.py` instead, for decode rows.
+    Returns `out` (a new tensor when it is None) with every row of q attended."""
     plan = _attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     dtype = _compute_dtype(q, k_cache)
     queries = cast(q, dtype)
@@ -179,13 +183,9 @@ def paged_attention_ref(
         out[slice(None) if group.rows is None else group.rows] = attended
     if out is None:
         out = torch.empty_like(q)
-    for chunk in plan.prefills:
-        k = _context(k_cache, k_scales, chunk.blocks, 1, chunk.length, dtype)
-        v = _context(v_cache, v_scales, chunk.blocks, 1, chunk.length, dtype)
-        attended = F.scaled_dot_product_attention(queries[chunk.rows].transpose(0, 1).unsqueeze(0), k, v,
-                                                  attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
-                                                  enable_gqa=True)
-        out[chunk.rows] = cast(attended[0].transpose(0, 1), out.dtype)
+    if plan.prefills:  # the plan is cached: prefill_attention_ref looks up this one
+        prefill_attention_ref(queries, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                              k_scales, v_scales)
     return out
 
 
@@ -514,37 +514,26 @@ def paged_attention_triton(
     return out
 
 
-def padded_decode_attention(
-    q: torch.Tensor,
+def prefill_attention_ref(
+    queries: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
+    out: torch.Tensor,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode attention in a shape `torch.compile` traces whole: one query per sequence (q:
-    [S, Hq, D]), every sequence's keys read through its whole block-table row, the keys past
-    its length masked. Unlike `paged_attention_ref` it makes no per-step plan on the host, so a
-    compiled decode step fuses the gather (and a quantized cache's dequantization) into the
-    attention; it pays for the padding of rows shorter than the longest, so the caller uses it
-    when the lengths are close (`ModelRunner`)."""
-    sequences, width = block_tables.shape
-    length = width * k_cache.shape[1]
-    dtype = _compute_dtype(q, k_cache)
-
-    def context(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:  # [S, Hkv, length, D]
-        gathered = cache[block_tables]
-        if scales is None:
-            gathered = cast(gathered, dtype)
-        else:
-            gathered = dequantize_kv_ref(gathered, scales[block_tables], dtype)
-        return gathered.flatten(1, 2).transpose(1, 2)
-
-    mask = (torch.arange(length, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    # a KV head's queries as one query block: SDPA then reads its K/V once for all of them
-    k, v = context(k_cache, k_scales), context(v_cache, v_scales)
-    attended = F.scaled_dot_product_attention(cast(q, dtype).unflatten(1, (k.shape[1], -1)), k, v, attn_mask=mask,
-                                              scale=scale)
-    return cast(attended.flatten(1, 2), q.dtype)
+) -> None:
+    """`paged_attention_ref` for the rows of sequences with more than one query (prefill
+    chunks), one SDPA per chunk, written into `out`; decode rows are left as they are."""
+    dtype = _compute_dtype(queries, k_cache)
+    queries = cast(queries, dtype)
+    for chunk in _attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1]).prefills:
+        k = _context(k_cache, k_scales, chunk.blocks, 1, chunk.length, dtype)
+        v = _context(v_cache, v_scales, chunk.blocks, 1, chunk.length, dtype)
+        attended = F.scaled_dot_product_attention(queries[chunk.rows].transpose(0, 1).unsqueeze(0), k, v,
+                                                  attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+                                                  enable_gqa=True)
+        out[chunk.rows] = cast(attended[0].transpose(0, 1), out.dtype)

@@ -1,12 +1,14 @@
 """Decode steps on the CPU through one `torch.compile`d decoder layer.
 
 In eager mode a decoder layer costs ~50 small torch ops around its matmuls (norms, rotary, casts,
-the cache write, attention's gathers): at one to a few sequences that overhead is as large as the
-matmuls. Inductor fuses them into a few loops. One compiled `DecoderLayer.forward` serves every
-layer (their weights are its inputs; a mixed-bit model's layers of different structure get
-graphs of their own, MAX_GRAPHS) and every batch size and context length (dynamic shapes);
-it runs the padded form of decode attention (`AttentionMetadata.padded_decode`), so it applies to
-steps where every sequence decodes one token and their context lengths are close.
+the cache write, the rotations of a mixed-bit model): at one to a few sequences that overhead is
+as large as the matmuls. Inductor fuses them into a few loops. One compiled
+`DecoderLayer.forward` serves every layer (their weights are its inputs; a mixed-bit model's
+layers of different structure get graphs of their own, MAX_GRAPHS) and every batch size and
+context length (dynamic shapes): every step where each sequence decodes one token runs it.
+Attention in it is the kernel table's C++ decode kernel, one call per layer
+(`kernels/cpu_attention.py`, a custom op to Inductor), so the layer compiles only where that
+kernel runs.
 
 Compiling the three graphs takes 12-27 s of one core on a 2-core EPYC (less once Inductor's
 on-disk cache holds them), the time of several hundred eager decode steps, so an engine starts
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import threading
 from types import SimpleNamespace
 from typing import Callable
@@ -29,19 +30,13 @@ import torch
 import torch.fx.experimental._config
 from torch import nn
 
+from qrun.kernels import backend
 from qrun.kv_cache import KVCache
 from qrun.model import AttentionMetadata, DecoderLayer, Transformer
 from qrun.quant import QuantLinear
 
 log = logging.getLogger("qrun")
 
-# Padding every sequence to the longest context costs attention reads that eager mode's grouped
-# plan avoids; a compiled step saves ~7 ms of eager overhead on SmolLM2 (1.3x single stream). A
-# step runs compiled when padding adds at most half the real keys, or at most PADDING_BYTES of
-# K/V reads over all layers (~3 ms at the ~20 GB/s a gather-and-cast reaches here): few
-# sequences of very different lengths still gain.
-MAX_DECODE_PADDING = 1.5
-PADDING_BYTES = 64 << 20
 COMPILE_AFTER_DECODE_STEPS = 256  # see the module's docstring
 # Batch sizes that need graphs of their own: 1 (Dynamo specialises size 1), 2 (dense linears take
 # the float16 GEMV path up to cpu_linear.GEMV_ROWS) and 3 and more.
@@ -53,17 +48,12 @@ WARM_UP_BATCHES = (1, 2, 3)
 MAX_GRAPHS = 64
 
 
-def has_cpp_compiler() -> bool:
-    """Whether Inductor finds a C++ compiler to build CPU kernels with."""
-    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
-
-
 def can_compile(model: nn.Module, device: torch.device) -> bool:
     """Whether decode steps can run compiled here: on the CPU (GPUs run the Triton kernels), with
-    dense weights or quantized ones on the CPU int4 path, with a C++ compiler for Inductor."""
-    return (device.type == "cpu"
-            and all(module.cpu_matmul is not None for module in model.modules() if isinstance(module, QuantLinear))
-            and has_cpp_compiler())
+    dense weights or quantized ones on the CPU int4 path, and the C++ kernels built (so a C++
+    compiler for Inductor too)."""
+    return (device.type == "cpu" and backend(device) == "cpu"
+            and all(module.cpu_matmul is not None for module in model.modules() if isinstance(module, QuantLinear)))
 
 
 class CompiledDecode:
@@ -71,8 +61,6 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, kv_cache: KVCache):
         self.model, self.kv_cache, self.block_size = model, kv_cache, kv_cache.block_size
-        self.token_bytes = kv_cache.spec.bytes_per_token(model.config)
-        self.padding_bytes = PADDING_BYTES
         self.layer: Callable | None = None  # set by the compile thread once every warm-up graph is built
         self.decode_steps = 0
         self._started = False
@@ -85,10 +73,6 @@ class CompiledDecode:
         self.decode_steps += 1
         if not self._started and self.decode_steps > COMPILE_AFTER_DECODE_STEPS:
             self.start()
-        real = sum(end for _, end in spans)
-        padded = max(-(-end // self.block_size) for _, end in spans) * self.block_size * len(spans)
-        if padded > MAX_DECODE_PADDING * real and (padded - real) * self.token_bytes > self.padding_bytes:
-            return None
         return self.layer
 
     def start(self) -> threading.Thread:
@@ -132,7 +116,7 @@ class CompiledDecode:
                 for batch in WARM_UP_BATCHES:
                     end = self.block_size + 1
                     meta = AttentionMetadata.build([(end - 1, end)] * batch, [[0, 1]] * batch, self.block_size,
-                                                   device, padded_decode=True)
+                                                   device, compiled=True)
                     self.model(torch.zeros(batch, dtype=torch.int64, device=device),
                                torch.full((batch,), end - 1, dtype=torch.int64, device=device),
                                meta, scratch_cache, layer_forward=compiled)

@@ -17,7 +17,6 @@ from torch.nn import functional as F
 
 from qrun.config import ModelConfig
 from qrun.kernels import ops_for, rotary_cos_sin
-from qrun.kernels.paged_attention import padded_decode_attention
 from qrun.kv_cache import KVCache, LayerKV
 
 
@@ -31,15 +30,14 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     max_seq_len: int
-    # Every sequence decodes one token and attention reads whole block-table rows, masked
-    # (`kernels.paged_attention.padded_decode_attention`): the form a compiled step runs.
-    padded_decode: bool = False
 
     @classmethod
     def build(cls, spans: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu", padded_decode: bool = False) -> "AttentionMetadata":
+              device: torch.device | str = "cpu", compiled: bool = False) -> "AttentionMetadata":
         """Metadata for a step where sequence s computes positions spans[s] = (start, end) and
-        keeps its K/V in the blocks block_tables[s] (tables padded with block 0 to one width)."""
+        keeps its K/V in the blocks block_tables[s] (tables padded with block 0 to one width).
+        `compiled`: for the compiled decode layer, whose graphs expect tables two blocks wide or
+        more (a graph would otherwise specialise on width 1 and compile once more)."""
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start = [0]
@@ -47,16 +45,14 @@ class AttentionMetadata:
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             seq_lens.append(end)
             query_start.append(query_start[-1] + end - start)
-        # a padded-decode step's tables are at least two blocks wide: a compiled graph would
-        # otherwise specialise on width 1 and compile once more
-        width = max(2 if padded_decode else 1, *(len(table) for table in block_tables))
+        width = max(2 if compiled else 1, *(len(table) for table in block_tables))
         padded = [table + [0] * (width - len(table)) for table in block_tables]
 
         def tensor(values, dtype=torch.int32):
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(tensor(slots, torch.int64), tensor(padded), tensor(seq_lens), tensor(query_start),
-                   max(end - start for start, end in spans), max(seq_lens), padded_decode)
+                   max(end - start for start, end in spans), max(seq_lens))
 
 
 class Attention(nn.Module):
@@ -98,14 +94,10 @@ class Attention(nn.Module):
         if rotation is not None:  # ... rotated (qrun/kv_cache.py)
             q, k, v = q @ rotation, k @ rotation, v @ rotation
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scales, cache.v_scales)
-        if meta.padded_decode:
-            out = padded_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
-                                          cache.k_scales, cache.v_scales)
-        else:
-            out = self.ops.paged_attention(
-                q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, meta.max_seq_len, self.scale, None, cache.k_scales, cache.v_scales,
-            )
+        out = self.ops.paged_attention(
+            q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, meta.max_seq_len, self.scale, None, cache.k_scales, cache.v_scales,
+        )
         if rotation is not None:
             out = out @ rotation.T
         return out.flatten(1)

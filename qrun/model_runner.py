@@ -57,7 +57,7 @@ class ModelRunner:
                 sampling.append(seq)
         layer = self.compiled.layer_for(spans) if self.compiled is not None else None
         meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
-                                       padded_decode=layer is not None)
+                                       compiled=layer is not None)
         positions = [p for start, end in spans for p in range(start, end)]
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in (input_ids, positions, sample_rows))
@@ -73,7 +73,7 @@ class ModelRunner:
                 raise
             log.warning("compiled decode step failed; running eager from now on", exc_info=True)
             self.compiled.disable()
-            layer, meta.padded_decode = None, False
+            layer = None
             hidden, logits = forward()
         if (self.half_gemv and len(input_ids) <= GEMV_ROWS and not (
                 torch.isfinite(hidden).all() and (logits is None or torch.isfinite(logits).all()))):

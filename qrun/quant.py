@@ -46,7 +46,7 @@ def matmul_path(device: torch.device) -> str:
     only the CPU has; the default there) or "dequant_matmul" (the kernel table's op: Triton, or
     its torch reference, which dequantizes and then multiplies on any device, e.g. CUDA with
     QRUN_KERNELS=torch, or the CPU with QRUN_QUANT_CPU=ref)."""
-    if device.type == "cpu" and backend(device) == "torch" and cpu_mode() == "fast":
+    if device.type == "cpu" and backend(device) in ("torch", "cpu") and cpu_mode() == "fast":
         return "cpu_int4"
     return "dequant_matmul"
 

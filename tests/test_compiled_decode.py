@@ -9,46 +9,13 @@ import torch
 import qrun.compiled_decode as compiled_decode
 from qrun import LLM, SamplingParams
 from qrun.convert.main import convert
-from qrun.kernels.kv_quant import kv_group_size, quantize_kv_ref
-from qrun.kernels.paged_attention import padded_decode_attention, paged_attention_ref
+from qrun.kernels import cpu_attention
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8", "int4"])
-def test_padded_decode_attention_equals_the_paged_reference(cache):
-    g = torch.Generator().manual_seed(0)
-    block_size, heads, kv_heads, dim = 4, 6, 2, 64
-    dtype = torch.bfloat16 if cache == "bfloat16" else torch.float32
-    lens = [1, 9, 4, 13]
-    k_cache, v_cache = (torch.randn(20, block_size, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    k_scales = v_scales = None
-    if cache.startswith("int"):  # the same values, stored quantized
-        bits = int(cache[3:])
-        (k_cache, k_scales), (v_cache, v_scales) = (quantize_kv_ref(c, bits, kv_group_size(dim, bits))
-                                                    for c in (k_cache, v_cache))
-    # each sequence's blocks scattered over the pool; tables padded with block 0 to one width
-    order = torch.randperm(20, generator=g).tolist()
-    widths = [-(-n // block_size) for n in lens]
-    tables = []
-    for width in widths:
-        tables.append(order[:width] + [0] * (max(widths) - width))
-        order = order[width:]
-    block_tables = torch.tensor(tables, dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
-    query_start_loc = torch.arange(len(lens) + 1, dtype=torch.int32)
-    expected = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 1, max(lens), 0.25,
-                                   k_scales=k_scales, v_scales=v_scales)
-    got = padded_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25, k_scales, v_scales)
-    # the same float32 computation over keys in another grouping: summation order only (bfloat16:
-    # one rounding of the output)
-    tolerance = 8e-3 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
-
-
-needs_compiler = pytest.mark.skipif(not compiled_decode.has_cpp_compiler(),
-                                    reason="torch.compile on the CPU needs a C++ compiler")
+needs_compiler = pytest.mark.skipif(not cpu_attention.available(),
+                                    reason="torch.compile and the C++ kernels need a C++ compiler")
 
 
 def tiny_prompts(n):
@@ -57,9 +24,8 @@ def tiny_prompts(n):
             for _ in range(n)]
 
 
-def compiled_engine(path, monkeypatch, **options):
+def compiled_engine(path, **options):
     """An engine whose decode steps all run the compiled layer, compiled before it returns."""
-    monkeypatch.setattr(compiled_decode, "MAX_DECODE_PADDING", float("inf"))
     llm = LLM(str(path), enforce_eager=False, **{"kv_cache_memory": 4_000_000, "max_num_seqs": 8, **options})
     llm.engine.runner.compiled.compile_now()
     return llm
@@ -73,7 +39,7 @@ def test_compiled_decode_generates_the_eager_tokens(tiny_llama_dir, dtype, kv_ca
     params = [SamplingParams(max_tokens=4 + 5 * i, **GREEDY) for i in range(6)]
     options = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=4_000_000, max_num_seqs=8)
     eager = LLM(str(tiny_llama_dir), enforce_eager=True, **options)
-    compiled = compiled_engine(tiny_llama_dir, monkeypatch, **options)
+    compiled = compiled_engine(tiny_llama_dir, **options)
     layer = compiled.engine.runner.compiled.layer
     calls = []
     compiled.engine.runner.compiled.layer = lambda *args: calls.append(1) or layer(*args)
@@ -90,7 +56,7 @@ def test_a_mixed_bit_model_decodes_compiled_with_the_eager_tokens(tiny_llama_dir
     prompts = tiny_prompts(4)
     params = [SamplingParams(max_tokens=6 + 4 * i, **GREEDY) for i in range(4)]
     eager = LLM(str(converted), dtype="float32", enforce_eager=True, kv_cache_memory=4_000_000, max_num_seqs=8)
-    compiled = compiled_engine(converted, monkeypatch, dtype="float32")
+    compiled = compiled_engine(converted, dtype="float32")
     layer = compiled.engine.runner.compiled.layer
     calls = []
     compiled.engine.runner.compiled.layer = lambda *args: calls.append(1) or layer(*args)
@@ -121,7 +87,7 @@ def test_a_failing_compiled_step_falls_back_to_eager(tiny_llama_dir, monkeypatch
     prompts = tiny_prompts(3)
     params = SamplingParams(max_tokens=6, **GREEDY)
     eager = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, kv_cache_memory=4_000_000)
-    compiled = compiled_engine(tiny_llama_dir, monkeypatch, dtype="float32")
+    compiled = compiled_engine(tiny_llama_dir, dtype="float32")
     expected = [out.outputs[0].token_ids for out in eager.generate(prompts, params, progress=False)]
     assert [out.outputs[0].token_ids for out in compiled.generate(prompts, params, progress=False)] == expected
     assert compiled.engine.runner.compiled.layer is None

@@ -1,0 +1,126 @@
+"""The C++ paged decode attention (kernels/cpu_attention.py) against the torch reference, over
+cache dtypes, GQA ratios, head dims, block sizes, context lengths and steps that mix decode
+rows with prefill chunks; and the kernel table's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qrun.kernels as kernels
+from qrun.kernels import cpu_attention
+from qrun.kernels.kv_quant import kv_group_size, quantize_kv_ref
+from qrun.kernels.paged_attention import paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ kernels need a C++ compiler")
+
+CACHES = ["float32", "bfloat16", "float16", "int8", "int4"]
+
+
+def paged_step(cache: str, query_lens: list[int], context_lens: list[int], kv_heads: int, group: int, dim: int,
+               block_size: int, seed: int = 0) -> tuple:
+    """Arguments of a paged attention call: each sequence's blocks scattered over the pool, its
+    context = cached tokens + this step's queries."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-n // block_size) for n in context_lens]
+    pool = sum(widths) + 3
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cache, torch.float32)
+    k_cache, v_cache = (torch.randn(pool, block_size, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_scales = v_scales = None
+    if cache.startswith("int"):  # the same values, stored quantized
+        bits = int(cache[3:])
+        (k_cache, k_scales), (v_cache, v_scales) = (quantize_kv_ref(c, bits, kv_group_size(dim, bits))
+                                                    for c in (k_cache, v_cache))
+    order = torch.randperm(pool, generator=g).tolist()
+    tables = []
+    for width in widths:
+        tables.append(order[:width] + [0] * (max(widths) - width))
+        order = order[width:]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], kv_heads * group, dim, generator=g).to(dtype)
+    return (q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32), max(query_lens), max(context_lens), dim ** -0.5, None,
+            k_scales, v_scales)
+
+
+def assert_matches_reference(args: tuple) -> None:
+    expected = paged_attention_ref(*args)
+    got = cpu_attention.paged_attention_cpu(*args)
+    # the same float32 math in another summation order; half-precision queries round the output once
+    tolerance = 1e-5 if args[0].dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_rows_equal_the_reference(cache, dim):
+    assert_matches_reference(paged_step(cache, [1] * 5, [1, 17, 64, 200, 33], kv_heads=2, group=3, dim=dim,
+                                        block_size=16))
+
+
+@settings(max_examples=40, deadline=None)
+@given(cache=st.sampled_from(CACHES), kv_heads=st.integers(1, 4), group=st.sampled_from([1, 2, 3, 4, 8]),
+       dim=st.sampled_from(cpu_attention.HEAD_DIMS), block_size=st.sampled_from([1, 4, 16, 32]),
+       sequences=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 90)), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_any_mix_of_decode_rows_and_prefill_chunks_equals_the_reference(cache, kv_heads, group, dim, block_size,
+                                                                         sequences, seed):
+    """sequences: (query length, cached tokens before it) per sequence; query length 1 decodes."""
+    query_lens = [n for n, _ in sequences]
+    context_lens = [n + cached for n, cached in sequences]
+    assert_matches_reference(paged_step(cache, query_lens, context_lens, kv_heads, group, dim, block_size, seed))
+
+
+def test_a_head_dim_without_an_instantiation_runs_the_reference():
+    args = paged_step("bfloat16", [1, 1], [5, 40], kv_heads=2, group=2, dim=48, block_size=16)
+    assert 48 not in cpu_attention.HEAD_DIMS
+    torch.testing.assert_close(cpu_attention.paged_attention_cpu(*args), paged_attention_ref(*args))
+
+
+def test_out_receives_every_row():
+    args = paged_step("float32", [1, 7, 1], [30, 7, 12], kv_heads=1, group=4, dim=64, block_size=8)
+    out = torch.full_like(args[0], float("nan"))
+    returned = cpu_attention.paged_attention_cpu(*args[:9], out, *args[10:])
+    assert returned is out
+    torch.testing.assert_close(out, paged_attention_ref(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_table_runs_the_kernel_by_default_and_the_references_on_request(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("QRUN_KERNELS", raising=False)
+    ops = kernels.ops_for(cpu)
+    assert ops.paged_attention is cpu_attention.paged_attention_cpu
+    assert ops.rms_norm is kernels.IMPLEMENTATIONS["rms_norm"]["torch"]
+    monkeypatch.setenv("QRUN_KERNELS", "torch")
+    assert kernels.ops_for(cpu).paged_attention is paged_attention_ref
+
+
+def test_without_a_compiler_the_table_keeps_the_references(monkeypatch):
+    monkeypatch.delenv("QRUN_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    assert kernels.ops_for(torch.device("cpu")).paged_attention is paged_attention_ref
+    monkeypatch.setenv("QRUN_KERNELS", "cpu")
+    with pytest.raises(RuntimeError, match="did not build"):
+        kernels.ops_for(torch.device("cpu"))
+
+
+def test_a_failed_build_says_why_and_leaves_the_kernel_off(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("QRUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setattr(cpu_attention, "_failed", False)
+    monkeypatch.setattr(cpu_attention, "cpp_compiler", lambda: None)
+    assert not cpu_attention.available()
+    assert "no C++ compiler" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """The library must not switch the process to flush-to-zero (what -ffast-math's startup code
+    does when a shared library is linked with it)."""
+    assert cpu_attention.available()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() > 0
