@@ -3,7 +3,7 @@ references.
 
 `QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
 the CPU the C++ kernels where an op has one (paged attention's decode rows:
-`kernels/cpu_attention.py`, built at first use) and the torch references for the rest, or the
+`kernels/cpu_attention.py`, built at first use by `kernels/cpu_library.py`) and the torch references for the rest, or the
 references alone where no C++ compiler builds them. Every implementation of an op shares one
 signature, so callers resolve the ops once (`ops_for`) and call them without knowing which
 they got.
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from qrun.kernels import cpu_attention
+from qrun.kernels import cpu_attention, cpu_library
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -43,8 +43,8 @@ def backend(device: torch.device) -> str:
     if choice == "auto":
         if device.type == "cuda":
             return "triton"
-        return "cpu" if device.type == "cpu" and cpu_attention.available() else "torch"
-    if choice == "cpu" and not cpu_attention.available():
+        return "cpu" if device.type == "cpu" and cpu_library.available() else "torch"
+    if choice == "cpu" and not cpu_library.available():
         raise RuntimeError("QRUN_KERNELS=cpu, but the C++ kernels did not build here (see the warning above); "
                            "unset it to run the torch references")
     return choice

@@ -10,91 +10,21 @@ bfloat16, float16, or the int8/int4 of `kernels/kv_quant.py`, dequantized as it 
 decode rows of a step in one call: no gather, no padding, no grouping. Its threads are torch's
 own (it links the OpenMP runtime torch loaded), split over (sequence, KV head) pairs.
 
-The kernel is built at first use with the machine's C++ compiler (the one Inductor uses, for
-this CPU: -march=native) and cached under qrun's cache folder, keyed by source, compiler and
-CPU; that takes ~2 s once. Where there is no compiler or the build fails, `available()` is False
-and the kernel table keeps the torch reference (`qrun.kernels.ops_for`).
+The kernel is part of the C++ library `kernels/cpu_library.py` builds; where it cannot be
+built the kernel table keeps the torch reference (`qrun.kernels.ops_for`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import platform
-import shutil
-import subprocess
-import threading
-from pathlib import Path
-
 import torch
 
-from qrun.atomic import atomic_path
+from qrun.kernels import cpu_library
 from qrun.kernels.kv_quant import bits_of
 from qrun.kernels.paged_attention import paged_attention_ref, prefill_attention_ref
 
-log = logging.getLogger("qrun")
-
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INT_KINDS = {8: 3, 4: 4}
 HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in cpu_attention.cpp; others run the torch reference
-_ARGS = (ctypes.c_int, *[ctypes.c_void_p] * 7, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-         *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_int)
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failed = False
-
-
-def cpp_compiler() -> str | None:
-    """The C++ compiler found on PATH (the names Inductor looks for), None without one."""
-    return next((path for name in ("g++", "c++", "clang++") if (path := shutil.which(name))), None)
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build() -> ctypes.CDLL:
-    from qrun.sources import cache_dir  # qrun's cache folder; kernels import no engine module at import time
-
-    compiler = cpp_compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode()]))
-    target = cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(target) as tmp:
-            built = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-            if built.returncode != 0:
-                raise RuntimeError(f"{compiler} failed on {_SOURCE.name}:\n{built.stderr[-2000:]}")
-    library = ctypes.CDLL(str(target))
-    library.qrun_decode_attention.argtypes = _ARGS
-    library.qrun_decode_attention.restype = ctypes.c_int
-    return library
-
-
-def available() -> bool:
-    """Whether the C++ kernel runs here (built, or built now: the first call may take ~2 s)."""
-    global _library, _failed
-    with _lock:
-        if _library is None and not _failed:
-            try:
-                _library = _build()
-            except (OSError, RuntimeError) as err:
-                _failed = True
-                log.warning("CPU attention kernel unavailable, using torch's (slower): %s", err)
-        return _library is not None
 
 
 def _kv_kind(cache: torch.Tensor, scales: torch.Tensor | None) -> int:
@@ -117,7 +47,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _, block_size, num_kv_heads, _ = k_cache.shape
     dim = q.shape[-1]
     group = dim if k_scales is None else dim // k_scales.shape[-2]
-    status = _library.qrun_decode_attention(
+    status = cpu_library.library().qrun_decode_attention(
         _kv_kind(k_cache, k_scales), queries.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         _pointer(k_scales), _pointer(v_scales), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         starts.data_ptr(), tables.shape[0], q.shape[1], num_kv_heads, dim, block_size.bit_length() - 1, group, scale,

@@ -21,11 +21,12 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qrun.format import FORMAT_VERSION, LAYER_INPUTS, READABLE_VERSIONS, MatrixLayout
 from qrun.errors import ModelLoadError
-from qrun.kernels import backend, ops_for
+from qrun.kernels import backend, cpu_int4, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
                                          group_values, unpack_rows)
 from qrun.kernels.rotation import rotate, rotation_factors, unpack_signs, unrotate
@@ -205,7 +206,9 @@ class CpuQuantMatmul(nn.Module):
     q = 16 hi + lo, so a 5-8-bit group is one pass over the low digits plus one over the high
     digits with 16x the scale (the wide groups are a prefix of the packed rows: act order puts
     them first). Where the kernel cannot take the layout (group size not a multiple of 32, N not
-    a multiple of 16) the matrix runs dense. Activations, scales and zeros are bfloat16."""
+    a multiple of 16) the matrix runs dense. Activations, scales and zeros are bfloat16. From
+    `cpu_int4.DEQUANTIZE_ROWS` rows on (prefill chunks), where that kernel is slower than a
+    bfloat16 matmul, the weight is dequantized per call and multiplied by oneDNN instead."""
 
     def __init__(self, parts: _CpuParts, out_features: int):
         super().__init__()
@@ -215,6 +218,8 @@ class CpuQuantMatmul(nn.Module):
                                                        p[1].to(torch.bfloat16).contiguous())
                                for p in (parts.low, parts.high))
         self.out_features = out_features
+        self.dequantizes = (self.low is not None and self.low[0].shape[0] % cpu_int4.BLOCK_N == 0
+                            and cpu_int4.layout_is_known())
 
     @classmethod
     def build(cls, linears: list[QuantLinear]) -> "CpuQuantMatmul | None":
@@ -243,6 +248,8 @@ class CpuQuantMatmul(nn.Module):
             xp = xp.index_select(1, self.perm)
         if self.dense is not None:
             y = xp @ self.dense.T
+        elif self.dequantizes and xp.shape[0] >= cpu_int4.DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
+            y = F.linear(xp, self.dequantized_weight())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp.contiguous(), self.low[0], self.kernel_group, self.low[1])
             if self.high is not None:
@@ -253,6 +260,16 @@ class CpuQuantMatmul(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y
+
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """bfloat16 [N, K], inputs in packed order: the low digits, plus the high ones' prefix."""
+        packed, scale_zero = self.low
+        weight = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.bfloat16)
+        cpu_int4.dequantize_int4pack(packed, scale_zero, self.kernel_group, weight)
+        if self.high is not None:
+            cpu_int4.dequantize_int4pack(*self.high, self.kernel_group, weight[:, :self.k_high], accumulate=True)
+        return weight
 
 
 class InputRotation(nn.Module):

@@ -9,12 +9,12 @@ import torch
 import qrun.compiled_decode as compiled_decode
 from qrun import LLM, SamplingParams
 from qrun.convert.main import convert
-from qrun.kernels import cpu_attention
+from qrun.kernels import cpu_library
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-needs_compiler = pytest.mark.skipif(not cpu_attention.available(),
+needs_compiler = pytest.mark.skipif(not cpu_library.available(),
                                     reason="torch.compile and the C++ kernels need a C++ compiler")
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from qrun.convert.gptq import Candidate, HessianAccumulator, gptq_quantize
 from qrun import quant
+from qrun.kernels import cpu_int4
 from qrun.quant import QuantLinear, matmul_path, prepare_quantized_linears
 
 
@@ -35,9 +36,10 @@ def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int 
     (Candidate(128, ((3, 1.0),), asym=True, act_order=False, rotate=True), 576, 64),  # rotated input
     (Candidate(64, ((4, 0.5), (3, 0.5)), rotate=True), 1536, 32),  # rotated, then permuted
 ])
-def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n):
+@pytest.mark.parametrize("rows", [5, cpu_int4.DEQUANTIZE_ROWS + 3])  # the int4 kernel; dequantize-then-matmul
+def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n, rows):
     module, result = quant_linear(cand, k, n, bias=True)
-    x = torch.randn(5, k)
+    x = torch.randn(rows, k)
     monkeypatch.setenv("QRUN_QUANT_CPU", "ref")
     module.prepare()
     ref = module(x)
@@ -45,9 +47,25 @@ def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n):
     monkeypatch.setenv("QRUN_QUANT_CPU", "fast")
     module.prepare()
     fast = module(x)
-    assert fast.dtype == x.dtype and fast.shape == (5, n)
+    assert fast.dtype == x.dtype and fast.shape == (rows, n)
     rel = (fast - ref).norm() / ref.norm()
     assert rel < 2e-2  # bfloat16 activations, scales and zeros
+
+
+@pytest.mark.skipif(not cpu_int4.layout_is_known(), reason="no C++ kernels, or torch packs int4 differently")
+@pytest.mark.parametrize("cand", [Candidate(64, ((4, 0.5), (3, 0.5))),
+                                  Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5)))])  # wide codes: two digits
+def test_many_rows_dequantize_and_agree_with_the_int4_kernel(cand):
+    module, _ = quant_linear(cand, 1536, 128)
+    module.prepare()
+    x = torch.randn(cpu_int4.DEQUANTIZE_ROWS, 1536)
+    assert module.cpu_matmul.dequantizes
+    dequantized = module(x)
+    module.cpu_matmul.dequantizes = False
+    kernel = module(x)
+    # the same weights, rounded to bfloat16 on the dequantized path (wide codes: each digit's
+    # part, then their sum), and both outputs rounded to bfloat16: a few 2^-9 relative errors
+    assert ((dequantized - kernel).norm() / kernel.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("rotate", [False, True])
