@@ -3,10 +3,10 @@ references.
 
 `QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
 the CPU the C++ kernels where an op has one (paged attention's decode rows:
-`kernels/cpu_attention.py`, built at first use by `kernels/cpu_library.py`) and the torch references for the rest, or the
-references alone where no C++ compiler builds them. Every implementation of an op shares one
-signature, so callers resolve the ops once (`ops_for`) and call them without knowing which
-they got.
+`kernels/cpu_attention.py`, built at first use by `kernels/cpu_library.py`) and the torch
+references for the rest, or the references alone where no C++ compiler builds them. Every
+implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
+call them without knowing which they got.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         starts.data_ptr(), tables.shape[0], q.shape[1], num_kv_heads, dim, block_size.bit_length() - 1, group, scale,
         torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"qrun_decode_attention rejected a {k_cache.dtype} cache of head_dim {dim} (status {status})")
+        raise RuntimeError(f"qrun_decode_attention rejected a {k_cache.dtype} cache of head_dim {dim} "
+                           f"(status {status})")
     return out
 
 
