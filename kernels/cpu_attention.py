@@ -2,9 +2,9 @@
 
 torch has no paged attention on the CPU. Its reference here (`paged_attention_ref`) gathers each
 sequence's K/V blocks into new tensors, casts them to float32 and runs SDPA over decode
-sequences grouped by length, ~20 small ops per group: on an AVX512 EPYC, decoding 4 sequences
-of ~850 tokens cost ~380 us per layer that way (gather and cast 120, SDPA 260), and in a mixed
-step the grouping's Python alone was ~1 ms per layer. The C++ kernel reads every decode row's
+sequences grouped by length, ~20 small ops per group (in a microbenchmark on an AVX512 EPYC,
+decoding 4 sequences of ~850 tokens cost ~380 us per layer that way: gather and cast 120, SDPA
+260; the C++ kernel takes ~170 us). The C++ kernel reads every decode row's
 keys and values once, in place in the cache blocks and in their stored dtype (float32,
 bfloat16, float16, or the int8/int4 of `kernels/kv_quant.py`, dequantized as it reads), for all
 decode rows of a step in one call: no gather, no padding, no grouping. Its threads are torch's

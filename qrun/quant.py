@@ -249,7 +249,7 @@ class CpuQuantMatmul(nn.Module):
         if self.dense is not None:
             y = xp @ self.dense.T
         elif self.dequantizes and xp.shape[0] >= cpu_int4.DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
-            y = F.linear(xp, self.dequantized_weight())
+            y = F.linear(xp, self.bfloat16_weight())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp.contiguous(), self.low[0], self.kernel_group, self.low[1])
             if self.high is not None:
@@ -261,9 +261,9 @@ class CpuQuantMatmul(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y
 
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """bfloat16 [N, K], inputs in packed order: the low digits, plus the high ones' prefix."""
+    def bfloat16_weight(self) -> torch.Tensor:
+        """bfloat16 [N, K], inputs in packed order: the low digits, plus the high ones' prefix
+        (`QuantLinear.dequantized_weight` is the float32 one in the original order and basis)."""
         packed, scale_zero = self.low
         weight = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.bfloat16)
         cpu_int4.dequantize_int4pack(packed, scale_zero, self.kernel_group, weight)
