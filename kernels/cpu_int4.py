@@ -30,12 +30,7 @@ def dequantize_int4pack(packed: torch.Tensor, scale_zero: torch.Tensor, group: i
                         accumulate: bool = False) -> torch.Tensor:
     """out [N, K'] bfloat16 (K' >= K: the first K columns) = the weight `packed` [N, K / 2]
     holds with `scale_zero` [K / group, N, 2] bfloat16, added to out's columns when `accumulate`."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    status = cpu_library.library().qrun_dequantize_int4pack(
-        packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(), n, k, out.stride(0), group, int(accumulate),
-        torch.get_num_threads())
-    if status != 0:
-        raise ValueError(f"cannot dequantize an int4-packed [{n}, {k}] weight in groups of {group}")
+    torch.ops.qrun.dequantize_int4pack(packed, scale_zero, group, out, accumulate)
     return out
 
 

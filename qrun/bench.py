@@ -191,7 +191,8 @@ def decode_step_bytes(model, context: int, cache: "KVCacheSpec") -> int:
         if isinstance(module, CpuDenseLinear):  # a batch-1 step reads the float16 copy
             return [t for t in (module.weight_f16, module.bias_f16) if t is not None]
         if isinstance(module, CpuQuantMatmul):
-            pieces = [module.perm, module.dense, module.bias, *(module.low or ()), *(module.high or ())]
+            pieces = [module.perm, module.dense, module.bias, *(module.planes or ()), *(module.low or ()),
+                      *(module.high or ())]
             return [t for t in pieces if t is not None]
         if isinstance(module, QuantLinear) and module.cpu_matmul is not None:
             return []  # runs through its CpuQuantMatmul child

@@ -1,10 +1,10 @@
 """Quantized linear layers: the module the loader swaps in, and its execution paths.
 
 Each QuantLinear's path is chosen once, at load (`prepare_quantized_linears` -> `matmul_path`):
-- CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`: every group width runs exactly on
-  `aten._weight_int4pack_mm_for_cpu` (5-8-bit codes as two 4-bit digits); linears sharing an
-  input in the same order (q/k/v, gate/up) run as one (`QuantLinear.fuse`, called by the
-  model's `fuse_projections`).
+- CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`: every group width runs on a 4-bit
+  kernel (5-8-bit codes as two 4-bit digits): the C++ VNNI one, or torch's int4 kernel; linears
+  sharing an input in the same order (q/k/v, gate/up) run as one (`QuantLinear.fuse`, called by
+  the model's `fuse_projections`).
 - everywhere else: the kernel table's `dequant_matmul` (`qrun.kernels.ops_for`): the Triton
   kernel on CUDA, or its torch reference (float32 dequantize, then matmul) on the torch backend:
   the CPU with `QRUN_QUANT_CPU=ref` (for checking the fast path), CUDA with `QRUN_KERNELS=torch`.
@@ -26,7 +26,7 @@ from torch import nn
 
 from qrun.format import FORMAT_VERSION, LAYER_INPUTS, READABLE_VERSIONS, MatrixLayout
 from qrun.errors import ModelLoadError
-from qrun.kernels import backend, cpu_int4, ops_for
+from qrun.kernels import backend, cpu_int4, cpu_quant_matmul, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
                                          group_values, unpack_rows)
 from qrun.kernels.rotation import rotate, rotation_factors, unpack_signs, unrotate
@@ -127,14 +127,15 @@ class QuantLinear(nn.Module):
             y = self.dequant_matmul(x2, *self.packed(), self.input_perm(), self.group_size, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def prepare(self) -> None:
+    def prepare(self, input_digits: int = 1) -> None:
         """Choose this linear's execution path for its device, once (`matmul_path`), and build
-        what it needs: the CPU int4 weights, or the kernel table's dequant_matmul."""
+        what it needs: the CPU int4 weights, or the kernel table's dequant_matmul.
+        `input_digits`: how finely the CPU kernel rounds inputs (2 for a head: cpu_quant_matmul.py)."""
         device = self.qweight.device
         signs = self.input_signs()  # unpacked now: a compiled layer must not see it change on first use
         self.input_rotation = None if signs is None else InputRotation(signs)
         if matmul_path(device) == "cpu_int4":
-            self.cpu_matmul, self.dequant_matmul = CpuQuantMatmul.build([self]), None
+            self.cpu_matmul, self.dequant_matmul = CpuQuantMatmul.build([self], input_digits), None
         else:
             self.cpu_matmul, self.dequant_matmul = None, ops_for(device).dequant_matmul
 
@@ -151,7 +152,7 @@ class QuantLinear(nn.Module):
         bias = None if self.bias is None else self.bias.float()
         perm = None if self.perm is None else self.perm.long()
         if not int4:
-            return _CpuParts(perm, dequantize_ref(*self.packed(), g).T.contiguous(), None, None, 0, None, bias)
+            return _CpuParts(perm, dequantize_ref(*self.packed(), g).T.contiguous(), None, None, 0, None, None, bias)
         scales = group_values(self.scales, self.scale_max, SCALE_LEVELS)
         mins = None if self.mins is None else group_values(self.mins, self.min_absmax, MIN_LEVELS)
         low, low_sz, high, high_sz = [], [], [], []
@@ -175,7 +176,7 @@ class QuantLinear(nn.Module):
         low_codes, low_sz = plane(low, low_sz)
         high_codes, high_sz = plane(high, high_sz)
         return _CpuParts(perm, None, (low_codes, low_sz), (high_codes, high_sz) if high else None, wide * g,
-                         kernel_group, bias)
+                         kernel_group, g, bias)
 
     @staticmethod
     def fuse(linears: list["QuantLinear"]) -> nn.Module | None:
@@ -194,35 +195,51 @@ class _CpuParts:
     low: tuple[torch.Tensor, torch.Tensor] | None  # int32 codes [N, K], scale/zero [K / kernel group, N, 2]
     high: tuple[torch.Tensor, torch.Tensor] | None  # the same for the first k_high rows' upper digits
     k_high: int
-    kernel_group: int | None
+    kernel_group: int | None  # torch's int4 kernel's group: a divisor of `group` it takes
+    group: int | None  # inputs sharing a scale
     bias: torch.Tensor | None  # float32 [N]
 
 
 class CpuQuantMatmul(nn.Module):
     """The CPU fast path of one or more packed linears sharing an input (outputs concatenated).
 
-    Everything runs on `aten._weight_int4pack_mm_for_cpu`, exactly: a group of <= 4 bits is
-    already on its grid (w = (q - 8) * scale + zero); a wider code splits into two 4-bit digits,
-    q = 16 hi + lo, so a 5-8-bit group is one pass over the low digits plus one over the high
-    digits with 16x the scale (the wide groups are a prefix of the packed rows: act order puts
-    them first). Where the kernel cannot take the layout (group size not a multiple of 32, N not
-    a multiple of 16) the matrix runs dense. Activations, scales and zeros are bfloat16. From
-    `cpu_int4.DEQUANTIZE_ROWS` rows on (prefill chunks), where that kernel is slower than a
-    bfloat16 matmul, the weight is dequantized per call and multiplied by oneDNN instead."""
+    Every weight is a plane of 4-bit codes: a group of <= 4 bits is already on that grid; a
+    wider code splits into two 4-bit digits, q = 16 hi + lo, so a 5-8-bit group is one pass over
+    the low digits plus one over the high digits with 16x the scale (the wide groups are a prefix
+    of the packed rows: act order puts them first). The planes run on one of two kernels, chosen
+    per matrix at load:
+    - `kernels/cpu_quant_matmul.py`'s (int8 activations times the codes, AVX512-VNNI), where the
+      CPU has it and the shapes fit (N a multiple of 16, groups of a multiple of 32 inputs);
+    - otherwise `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations, scales and zeros), and
+      from `cpu_int4.DEQUANTIZE_ROWS` rows on (prefill chunks), where that kernel is slower than a
+      bfloat16 matmul, the weight dequantized per call and multiplied by oneDNN.
+    Where neither takes the layout (group size not a multiple of 32, N not a multiple of 16) the
+    matrix runs dense."""
 
-    def __init__(self, parts: _CpuParts, out_features: int):
+    def __init__(self, parts: _CpuParts, out_features: int, input_digits: int = 1):
         super().__init__()
+        self.input_digits = input_digits  # the VNNI kernel's rounding of inputs: see cpu_quant_matmul.py
         self.perm, self.k_high, self.kernel_group, self.bias = parts.perm, parts.k_high, parts.kernel_group, parts.bias
+        self.group, self.out_features = parts.group, out_features
         self.dense = None if parts.dense is None else parts.dense.to(torch.bfloat16)
-        self.low, self.high = (None if p is None else (torch.ops.aten._convert_weight_to_int4pack_for_cpu(p[0], 1),
-                                                       p[1].to(torch.bfloat16).contiguous())
-                               for p in (parts.low, parts.high))
-        self.out_features = out_features
-        self.dequantizes = (self.low is not None and self.low[0].shape[0] % cpu_int4.BLOCK_N == 0
-                            and cpu_int4.layout_is_known())
+        self.planes = self.low = self.high = None
+        self.dequantizes = False
+        if parts.low is not None and self._vnni_takes(parts):
+            self.planes = (*_vnni_plane(parts.low, parts), *(_vnni_plane(parts.high, parts) if parts.high else [None] * 4))
+        elif parts.low is not None:
+            self.low, self.high = (None if p is None else (torch.ops.aten._convert_weight_to_int4pack_for_cpu(p[0], 1),
+                                                           p[1].to(torch.bfloat16).contiguous())
+                                   for p in (parts.low, parts.high))
+            self.dequantizes = self.low[0].shape[0] % cpu_int4.BLOCK_N == 0 and cpu_int4.layout_is_known()
+
+    @staticmethod
+    def _vnni_takes(parts: _CpuParts) -> bool:
+        n, k = parts.low[0].shape
+        return (cpu_quant_matmul.available() and cpu_quant_matmul.takes(n, k, parts.group)
+                and (parts.high is None or cpu_quant_matmul.takes(n, parts.k_high, parts.group)))
 
     @classmethod
-    def build(cls, linears: list[QuantLinear]) -> "CpuQuantMatmul | None":
+    def build(cls, linears: list[QuantLinear], input_digits: int = 1) -> "CpuQuantMatmul | None":
         """The fused matmul of `linears`, or None when their inputs are not laid out alike."""
         parts = [lin.cpu_parts() for lin in linears]
         first = parts[0]
@@ -236,17 +253,21 @@ class CpuQuantMatmul(nn.Module):
             return None if planes[0] is None else (torch.cat([p[0] for p in planes]), torch.cat([p[1] for p in planes], 1))
 
         biases = [p.bias if p.bias is not None else torch.zeros(lin.out_features) for p, lin in zip(parts, linears)]
+        group = first.group if all(p.group == first.group for p in parts) else first.kernel_group
         fused = _CpuParts(first.perm, None if first.dense is None else torch.cat([p.dense for p in parts]),
                           cat_planes([p.low for p in parts]), cat_planes([p.high for p in parts]), first.k_high,
-                          first.kernel_group, torch.cat(biases) if any(p.bias is not None for p in parts) else None)
-        return cls(fused, sum(lin.out_features for lin in linears))
+                          first.kernel_group, group, torch.cat(biases) if any(p.bias is not None for p in parts) else None)
+        return cls(fused, sum(lin.out_features for lin in linears), input_digits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step runs this ~120 times: casts and gathers only where they change something.
-        xp = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        xp = x if x.dtype == torch.bfloat16 or self.planes is not None else x.to(torch.bfloat16)
         if self.perm is not None:
             xp = xp.index_select(1, self.perm)
-        if self.dense is not None:
+        if self.planes is not None:
+            y = cpu_quant_matmul.quant_matmul(xp, *self.planes[:4], self.group, self.out_features, *self.planes[4:],
+                                              self.k_high, self.input_digits)
+        elif self.dense is not None:
             y = xp @ self.dense.T
         elif self.dequantizes and xp.shape[0] >= cpu_int4.DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
             y = F.linear(xp, self.bfloat16_weight())
@@ -270,6 +291,14 @@ class CpuQuantMatmul(nn.Module):
         if self.high is not None:
             cpu_int4.dequantize_int4pack(*self.high, self.kernel_group, weight[:, :self.k_high], accumulate=True)
         return weight
+
+
+def _vnni_plane(plane: tuple[torch.Tensor, torch.Tensor], parts: _CpuParts) -> tuple[torch.Tensor, ...]:
+    """A plane of int4 codes with torch's kernel's (scale, zero) per kernel group in
+    cpu_quant_matmul's layout (the same values, per group)."""
+    codes, scale_zero = plane
+    per_group = scale_zero[::parts.group // parts.kernel_group]
+    return cpu_quant_matmul.pack(codes, per_group[..., 0].T, per_group[..., 1].T)
 
 
 class InputRotation(nn.Module):
@@ -310,10 +339,13 @@ def share_input_rotations(model: nn.Module) -> None:
 
 def prepare_quantized_linears(model: nn.Module) -> None:
     """Choose every quantized linear's path at load, building the CPU int4 weights where that is
-    the path, so the first request does not wait and no forward reads the environment."""
+    the path, so the first request does not wait and no forward reads the environment. The head's
+    inputs are rounded to two int8 digits (its errors go straight into the logits), the layers'
+    to one."""
+    head = getattr(model, "lm_head", None)
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.prepare()
+            module.prepare(input_digits=2 if module is head else 1)
 
 
 def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]:

@@ -11,7 +11,7 @@ from qrun.kernels import cpu_library
 
 def test_a_failed_build_says_why_and_leaves_the_kernel_off(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("QRUN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_library, "_library", None)
+    monkeypatch.setattr(cpu_library, "_loaded", False)
     monkeypatch.setattr(cpu_library, "_failed", False)
     monkeypatch.setattr(cpu_library, "cpp_compiler", lambda: None)
     assert not cpu_library.available()

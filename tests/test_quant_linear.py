@@ -6,8 +6,18 @@ from torch import nn
 
 from qrun.convert.gptq import Candidate, HessianAccumulator, gptq_quantize
 from qrun import quant
-from qrun.kernels import cpu_int4
+from qrun.kernels import cpu_int4, cpu_quant_matmul
 from qrun.quant import QuantLinear, matmul_path, prepare_quantized_linears
+
+
+@pytest.fixture(params=["vnni", "int4pack"])
+def int4_kernel(request, monkeypatch):
+    """Each of CpuQuantMatmul's kernels in turn (the VNNI one where this CPU has it)."""
+    if request.param == "vnni" and not cpu_quant_matmul.available():
+        pytest.skip("no AVX512-VNNI kernel on this machine")
+    if request.param == "int4pack":
+        monkeypatch.setattr(cpu_quant_matmul, "available", lambda: False)
+    return request.param
 
 
 def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int = 0):
@@ -36,8 +46,8 @@ def quant_linear(cand: Candidate, k: int, n: int, bias: bool = False, seed: int 
     (Candidate(128, ((3, 1.0),), asym=True, act_order=False, rotate=True), 576, 64),  # rotated input
     (Candidate(64, ((4, 0.5), (3, 0.5)), rotate=True), 1536, 32),  # rotated, then permuted
 ])
-@pytest.mark.parametrize("rows", [5, cpu_int4.DEQUANTIZE_ROWS + 3])  # the int4 kernel; dequantize-then-matmul
-def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n, rows):
+@pytest.mark.parametrize("rows", [5, cpu_int4.DEQUANTIZE_ROWS + 3])  # int4pack: its kernel; dequantize-then-matmul
+def test_fast_cpu_path_matches_reference(monkeypatch, int4_kernel, cand, k, n, rows):
     module, result = quant_linear(cand, k, n, bias=True)
     x = torch.randn(rows, k)
     monkeypatch.setenv("QRUN_QUANT_CPU", "ref")
@@ -46,16 +56,19 @@ def test_fast_cpu_path_matches_reference(monkeypatch, cand, k, n, rows):
     torch.testing.assert_close(ref, x @ result.dequantized().T + module.bias, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("QRUN_QUANT_CPU", "fast")
     module.prepare()
+    if module.cpu_matmul.dense is None:
+        assert (module.cpu_matmul.planes is not None) == (int4_kernel == "vnni")
     fast = module(x)
     assert fast.dtype == x.dtype and fast.shape == (rows, n)
     rel = (fast - ref).norm() / ref.norm()
-    assert rel < 2e-2  # bfloat16 activations, scales and zeros
+    assert rel < 2e-2  # int8 (vnni) or bfloat16 (int4pack) activations
 
 
 @pytest.mark.skipif(not cpu_int4.layout_is_known(), reason="no C++ kernels, or torch packs int4 differently")
 @pytest.mark.parametrize("cand", [Candidate(64, ((4, 0.5), (3, 0.5))),
                                   Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5)))])  # wide codes: two digits
-def test_many_rows_dequantize_and_agree_with_the_int4_kernel(cand):
+def test_many_rows_dequantize_and_agree_with_the_int4_kernel(monkeypatch, cand):
+    monkeypatch.setattr(cpu_quant_matmul, "available", lambda: False)
     module, _ = quant_linear(cand, 1536, 128)
     module.prepare()
     x = torch.randn(cpu_int4.DEQUANTIZE_ROWS, 1536)

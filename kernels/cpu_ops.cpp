@@ -1,0 +1,160 @@
+// The C++ CPU kernels as torch ops (torch.ops.qrun.*): one dispatch of a few microseconds from
+// eager code, and one call Inductor keeps inside a compiled graph. The kernels themselves
+// (cpu_attention.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp) are plain C++; their Python modules
+// document them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,
+                                     const void* v_cache, const void* k_scales, const void* v_scales,
+                                     const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
+                                     const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
+                                     int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
+                                     float scale, int threads);
+extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* scale_zero, uint16_t* out,
+                                        int64_t n_total, int64_t k_total, int64_t out_stride, int64_t group,
+                                        int accumulate, int threads);
+extern "C" int qrun_quant_matmul_available();
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
+                                 const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,
+                                 int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
+
+namespace {
+
+const void* pointer(const std::optional<at::Tensor>& tensor) {
+    return tensor.has_value() ? tensor->data_ptr() : nullptr;
+}
+
+int kv_kind(const at::Tensor& cache, bool quantized) {
+    if (quantized) return cache.scalar_type() == at::kChar ? 3 : 4;  // int8, or int4 packed in uint8
+    switch (cache.scalar_type()) {
+        case at::kFloat: return 0;
+        case at::kBFloat16: return 1;
+        case at::kHalf: return 2;
+        default: TORCH_CHECK(false, "decode_attention: no kernel for a ", cache.scalar_type(), " cache");
+    }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scales,
+                            const std::optional<at::Tensor>& v_scales) {
+    const at::Tensor queries = q.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty_like(queries);
+    const at::Tensor tables = block_tables.to(at::kInt).contiguous();
+    const at::Tensor lens = seq_lens.to(at::kInt).contiguous(), starts = query_start_loc.to(at::kInt).contiguous();
+    const int64_t block_size = k_cache.size(1), dim = q.size(-1);
+    const int64_t group = k_scales.has_value() ? dim / k_scales->size(-2) : dim;
+    int64_t block_shift = 0;
+    while ((int64_t(1) << block_shift) < block_size) block_shift++;
+    const int status = qrun_decode_attention(
+        kv_kind(k_cache, k_scales.has_value()), queries.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr(),
+        v_cache.data_ptr(), pointer(k_scales), pointer(v_scales), tables.data_ptr<int32_t>(), tables.size(1),
+        lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), tables.size(0), q.size(1), k_cache.size(2), dim,
+        block_shift, group, float(scale), at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_decode_attention rejected a ", k_cache.scalar_type(), " cache of head_dim ", dim,
+                " (status ", status, ")");
+    return out;
+}
+
+at::Tensor decode_attention_shape(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
+                                  const std::optional<at::Tensor>&) {
+    return at::empty_symint(q.sym_sizes(), q.options().dtype(at::kFloat));
+}
+
+void dequantize_int4pack(const at::Tensor& packed, const at::Tensor& scale_zero, int64_t group, at::Tensor& out,
+                         bool accumulate) {
+    const int64_t n = packed.size(0), k = packed.size(1) * 2;
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == n && out.size(1) >= k,
+                "dequantize_int4pack writes a bfloat16 [", n, ", >= ", k, "] matrix with contiguous rows");
+    const int status = qrun_dequantize_int4pack(
+        static_cast<const uint8_t*>(packed.data_ptr()), static_cast<const uint16_t*>(scale_zero.data_ptr()),
+        static_cast<uint16_t*>(out.data_ptr()), n, k, out.stride(0), group, accumulate, at::get_num_threads());
+    TORCH_CHECK(status == 0, "cannot dequantize an int4-packed [", n, ", ", k, "] weight in groups of ", group);
+}
+
+void dequantize_int4pack_shape(const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, bool) {}
+
+// at::Tensor::to costs ~3 us of dispatch and iterator set-up here, as much as the kernel on a
+// small matrix; rounding to nearest even as torch does.
+at::Tensor to_bfloat16(const at::Tensor& values) {
+    at::Tensor out = at::empty(values.sizes(), values.options().dtype(at::kBFloat16));
+    const uint32_t* in = static_cast<const uint32_t*>(values.data_ptr());
+    uint16_t* bits = static_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < values.numel(); i++) {
+        const bool nan = (in[i] & 0x7FFFFFFF) > 0x7F800000;
+        bits[i] = nan ? uint16_t(0x7FC0) : uint16_t((in[i] + 0x7FFF + ((in[i] >> 16) & 1)) >> 16);
+    }
+    return out;
+}
+
+// One plane's product: y (float32) = x[:, :k] W^T, or y += it.
+void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k, int64_t input_digits, at::Tensor& y,
+                        bool accumulate) {
+    TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() && centers.is_contiguous() &&
+                    codes.numel() * 2 == y.size(1) * k && centers.numel() * 32 == k,
+                "quant_matmul: packed weights do not match [", y.size(1), ", ", k, "]");
+    const int status = qrun_quant_matmul(
+        x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
+        static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
+        static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr<float>(), y.stride(0), x.size(0), y.size(1), k, group, input_digits, accumulate,
+        at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", k, "] by a [", y.size(1), ", ",
+                k, "] weight in groups of ", group, " (status ", status, ")");
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
+                        const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
+                        const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
+                        int64_t k_high, int64_t input_digits) {
+    const at::Tensor rows = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
+    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat));
+    quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
+    if (high_codes.has_value())
+        quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
+                           true);
+    return x.scalar_type() == at::kFloat ? y : x.scalar_type() == at::kBFloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
+}
+
+at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, int64_t, c10::SymInt out_features, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, int64_t, int64_t) {
+    return at::empty_symint({x.sym_size(0), out_features}, x.options());
+}
+
+bool quant_matmul_available() { return qrun_quant_matmul_available() != 0; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(qrun, m) {
+    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+          "Tensor query_start_loc, float scale, Tensor? k_scales, Tensor? v_scales) -> Tensor");
+    m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
+    m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
+          "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
+          "int k_high, int input_digits) -> Tensor");
+    m.def("quant_matmul_available() -> bool", &quant_matmul_available);
+}
+
+TORCH_LIBRARY_IMPL(qrun, CPU, m) {
+    m.impl("decode_attention", &decode_attention);
+    m.impl("dequantize_int4pack", &dequantize_int4pack);
+    m.impl("quant_matmul", &quant_matmul);
+}
+
+TORCH_LIBRARY_IMPL(qrun, Meta, m) {
+    m.impl("decode_attention", &decode_attention_shape);
+    m.impl("dequantize_int4pack", &dequantize_int4pack_shape);
+    m.impl("quant_matmul", &quant_matmul_shape);
+}

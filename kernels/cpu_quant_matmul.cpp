@@ -1,0 +1,198 @@
+// y = x W^T for 4-bit weights on x86 CPUs with AVX512-VNNI: activations quantized to int8 per
+// row and 32-element block (as llama.cpp's q8_0), weights' 4-bit codes multiplied by them with
+// vpdpbusd (64 unsigned x signed byte products per instruction). Layout and reasons:
+// kernels/cpu_quant_matmul.py.
+//
+// codes:   [N / 16][K / 32][4][16][4] bytes. For a tile of 16 output channels and a block of 32
+//          inputs, 4 slices of 64 bytes; in slice s, channel c's 4 bytes hold the codes of inputs
+//          8s + j (low nibble) and 8s + 4 + j (high nibble), j = 0..3. So one 64-byte load is one
+//          vpdpbusd operand per nibble: a lane per output channel, 4 inputs per lane.
+// scales, zeros: float16 [N / 16][K / group][16], centers: int8 [K / 32] (one value per group):
+//          w = (code - center) * scale + zero.
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QRUN_HAS_VNNI 1
+#endif
+
+#ifdef QRUN_HAS_VNNI
+namespace {
+
+constexpr int64_t TILE_N = 16, BLOCK_K = 32, ROW_TILE = 6;
+
+// x ~ scale * (high + low / LOW_STEPS) per block of 32: one int8 digit (high), or two, as
+// precise as 15 bits, at twice the multiplications.
+constexpr float LOW_STEPS = 254.f;
+
+struct QuantizedRows {
+    std::vector<int8_t> high, low;  // [M, K]
+    std::vector<float> block_scales;  // [M, K / 32]
+    std::vector<float> group_sums;  // [M, K / group]: the float inputs summed, for the zeros
+    std::vector<float> rounded_sums;  // [M, K / group]: the same of the rounded inputs, for the centers
+};
+
+// 16 inputs from float32 or bfloat16 (its upper half).
+template <typename In>
+inline __m512 load16(const In* at) {
+    if constexpr (sizeof(In) == 4) return _mm512_loadu_ps(at);
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+template <typename In>
+QuantizedRows quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group, bool two_digits) {
+    const int64_t blocks = rows * k / BLOCK_K, groups = rows * k / group;
+    QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<int8_t>(two_digits ? rows * k : 0),
+                    std::vector<float>(blocks), std::vector<float>(groups), std::vector<float>(groups, 0.f)};
+    for (int64_t m = 0; m < rows; m++) {
+        const In* row = x + m * ldx;
+        for (int64_t b = 0; b < k / BLOCK_K; b++) {
+            const __m512 lo = load16(row + b * BLOCK_K), hi = load16(row + b * BLOCK_K + 16);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+            q.block_scales[m * (k / BLOCK_K) + b] = top / 127.f;
+            __m512 rounded_sum = _mm512_setzero_ps();
+            for (int half = 0; half < 2; half++) {
+                const __m512 scaled = _mm512_mul_ps(half ? hi : lo, inverse);
+                const __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const int64_t at = m * k + b * BLOCK_K + half * 16;
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(q.high.data() + at),
+                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded)));
+                rounded_sum = _mm512_add_ps(rounded_sum, rounded);
+                if (two_digits) {
+                    const __m512 low = _mm512_roundscale_ps(
+                        _mm512_mul_ps(_mm512_sub_ps(scaled, rounded), _mm512_set1_ps(LOW_STEPS)),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.low.data() + at),
+                                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(low)));
+                    rounded_sum = _mm512_fmadd_ps(low, _mm512_set1_ps(1.f / LOW_STEPS), rounded_sum);
+                }
+            }
+            q.rounded_sums[m * (k / group) + b * BLOCK_K / group] +=
+                _mm512_reduce_add_ps(rounded_sum) * q.block_scales[m * (k / BLOCK_K) + b];
+        }
+        for (int64_t g = 0; g < k / group; g++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t i = g * group; i < (g + 1) * group; i += 16) sum = _mm512_add_ps(sum, load16(row + i));
+            q.group_sums[m * (k / group) + g] = _mm512_reduce_add_ps(sum);
+        }
+    }
+    return q;
+}
+
+// Rows m0 .. m0 + R of y's channel tile `tile`, every input: the weights of a block are unpacked
+// once for the R rows, whose int32 sums stay in registers.
+template <int R, bool two_digits>
+void tile_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
+               int64_t k, int64_t group, const QuantizedRows& x, int64_t m0, float* y, int64_t ldy, int64_t tile, bool accumulate) {
+    const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
+    __m512 total[R], group_total[R];
+    for (int r = 0; r < R; r++) {
+        total[r] = accumulate ? _mm512_loadu_ps(y + (m0 + r) * ldy + tile * TILE_N) : _mm512_setzero_ps();
+        group_total[r] = _mm512_setzero_ps();
+    }
+    const __m512i low_nibbles = _mm512_set1_epi8(15);
+    const uint8_t* tile_codes = codes + tile * blocks * BLOCK_K * TILE_N / 2;
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i w[8];
+        for (int s = 0; s < 4; s++) {
+            const __m512i bytes = _mm512_loadu_si512(tile_codes + (b * 4 + s) * 64);
+            w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
+            w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (m0 + r) * k + b * BLOCK_K, block = (m0 + r) * blocks + b;
+            const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
+            const int32_t* low = reinterpret_cast<const int32_t*>(x.low.data() + at);
+            __m512i high_dot = _mm512_setzero_si512(), low_dot = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q++) {
+                high_dot = _mm512_dpbusd_epi32(high_dot, w[q], _mm512_set1_epi32(high[q]));
+                if constexpr (two_digits) low_dot = _mm512_dpbusd_epi32(low_dot, w[q], _mm512_set1_epi32(low[q]));
+            }
+            __m512 dot = _mm512_cvtepi32_ps(high_dot);
+            if constexpr (two_digits)
+                dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot),
+                                      _mm512_set1_ps(1.f / LOW_STEPS), dot);
+            group_total[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x.block_scales[block]), group_total[r]);
+        }
+        if ((b + 1) % blocks_per_group == 0) {
+            const int64_t g = b / blocks_per_group, at = (tile * groups + g) * TILE_N;
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+            const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)));
+            // (code - center) . x: centred codes, so x's rounding meets weights of at most half the
+            // group's range (center x sum(x) is in the zeros, with x's float sums)
+            const float center = centers[b];
+            for (int r = 0; r < R; r++) {
+                const __m512 centred =
+                    _mm512_sub_ps(group_total[r], _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
+                total[r] = _mm512_fmadd_ps(centred, scale, total[r]);
+                total[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x.group_sums[(m0 + r) * groups + g]), total[r]);
+                group_total[r] = _mm512_setzero_ps();
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + tile * TILE_N, total[r]);
+}
+
+// The last rows (fewer than ROW_TILE) of a tile: tile_rows<left>.
+template <int R, bool two_digits>
+void remaining_rows(int64_t left, const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
+                    const int8_t* centers, int64_t k, int64_t group, const QuantizedRows& x, int64_t m0, float* y, int64_t ldy, int64_t tile,
+                    bool accumulate) {
+    if constexpr (R > 0) {
+        if (left == R)
+            return tile_rows<R, two_digits>(codes, scales, zeros, centers, k, group, x, m0, y, ldy, tile, accumulate);
+        remaining_rows<R - 1, two_digits>(left, codes, scales, zeros, centers, k, group, x, m0, y, ldy, tile,
+                                          accumulate);
+    }
+}
+
+template <bool two_digits>
+void quant_matmul(const QuantizedRows& x, const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
+                  const int8_t* centers, float* y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group, bool accumulate,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t tile = 0; tile < n / TILE_N; tile++) {
+        int64_t m0 = 0;
+        for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE)
+            tile_rows<ROW_TILE, two_digits>(codes, scales, zeros, centers, k, group, x, m0, y, ldy, tile, accumulate);
+        remaining_rows<ROW_TILE - 1, two_digits>(rows - m0, codes, scales, zeros, centers, k, group, x, m0, y, ldy,
+                                                 tile, accumulate);
+    }
+}
+
+}  // namespace
+#endif
+
+// 1 where this build has the kernel (the CPU and compiler support AVX512-VNNI).
+extern "C" int qrun_quant_matmul_available() {
+#ifdef QRUN_HAS_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// y [M, N] (float32, row stride ldy) = x[:, :K] (float32, or bfloat16 when x_bfloat16; row stride
+// ldx) W^T, or y += it (accumulate), with x rounded to `input_digits` (1 or 2) int8 digits per
+// element. 0: done; 1: shapes the layout does not cover; 2: no kernel in this build.
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
+                                 const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows, int64_t n, int64_t k,
+                                 int64_t group, int input_digits, int accumulate, int threads) {
+#ifdef QRUN_HAS_VNNI
+    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2) return 1;
+    const QuantizedRows quantized =
+        x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2)
+                   : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2);
+    if (input_digits == 2)
+        quant_matmul<true>(quantized, codes, scales, zeros, centers, y, ldy, rows, n, k, group, accumulate, threads);
+    else
+        quant_matmul<false>(quantized, codes, scales, zeros, centers, y, ldy, rows, n, k, group, accumulate, threads);
+    return 0;
+#else
+    return 2;
+#endif
+}
