@@ -62,6 +62,9 @@ class CompiledDecode:
     def __init__(self, model: Transformer, kv_cache: KVCache):
         self.model, self.kv_cache, self.block_size = model, kv_cache, kv_cache.block_size
         self.layer: Callable | None = None  # set by the compile thread once every warm-up graph is built
+        # What a step the warm-up's graphs do not cover does: run eager, rather than stall the
+        # engine on a compile in the foreground (tests make it fail instead).
+        self.stance = "eager_on_recompile"
         self.decode_steps = 0
         self._started = False
         self._thread: threading.Thread | None = None
@@ -125,9 +128,7 @@ class CompiledDecode:
             return
 
         def layer(*args):
-            # A step the warm-up's graphs do not cover runs eager rather than stalling the engine
-            # on a compile in the foreground.
-            with torch.compiler.set_stance("eager_on_recompile"):
+            with torch.compiler.set_stance(self.stance):
                 return compiled(*args)
 
         self.layer = layer

@@ -34,6 +34,12 @@ def tiny_llama_dir(tiny_checkpoints) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama64_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with heads of 64, a size the C++ CPU attention takes (compiled steps run it)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny64") / "llama", "llama", head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def calib_file(tmp_path_factory) -> Path:
     """Calibration text for converting tiny models: held-in Brown text, or a stand-in without ../shared."""
     path = tmp_path_factory.mktemp("calib") / "calib.txt"

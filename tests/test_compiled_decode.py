@@ -9,7 +9,7 @@ import torch
 import qrun.compiled_decode as compiled_decode
 from qrun import LLM, SamplingParams
 from qrun.convert.main import convert
-from qrun.kernels import cpu_library
+from qrun.kernels import cpu_library, cpu_quant_matmul
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -25,21 +25,23 @@ def tiny_prompts(n):
 
 
 def compiled_engine(path, **options):
-    """An engine whose decode steps all run the compiled layer, compiled before it returns."""
+    """An engine whose decode steps all run compiled, compiled before it returns: a step the
+    warm-up's graphs do not cover fails rather than running eager."""
     llm = LLM(str(path), enforce_eager=False, **{"kv_cache_memory": 4_000_000, "max_num_seqs": 8, **options})
     llm.engine.runner.compiled.compile_now()
+    llm.engine.runner.compiled.stance = "fail_on_recompile"
     return llm
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"),
                                                    ("bfloat16", "int4")])
-def test_compiled_decode_generates_the_eager_tokens(tiny_llama_dir, dtype, kv_cache_dtype, monkeypatch):
+def test_compiled_decode_generates_the_eager_tokens(tiny_llama64_dir, dtype, kv_cache_dtype, monkeypatch):
     prompts = tiny_prompts(6)
     params = [SamplingParams(max_tokens=4 + 5 * i, **GREEDY) for i in range(6)]
     options = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=4_000_000, max_num_seqs=8)
-    eager = LLM(str(tiny_llama_dir), enforce_eager=True, **options)
-    compiled = compiled_engine(tiny_llama_dir, **options)
+    eager = LLM(str(tiny_llama64_dir), enforce_eager=True, **options)
+    compiled = compiled_engine(tiny_llama64_dir, **options)
     layer = compiled.engine.runner.compiled.layer
     calls = []
     compiled.engine.runner.compiled.layer = lambda *args: calls.append(1) or layer(*args)
@@ -50,9 +52,15 @@ def test_compiled_decode_generates_the_eager_tokens(tiny_llama_dir, dtype, kv_ca
 
 
 @needs_compiler
-def test_a_mixed_bit_model_decodes_compiled_with_the_eager_tokens(tiny_llama_dir, calib_file, tmp_path, monkeypatch):
+def test_a_mixed_bit_model_decodes_compiled_with_the_eager_tokens(tiny_llama64_dir, calib_file, tmp_path,
+                                                                  monkeypatch):
+    """On torch's int4 kernel, whose inputs are continuous. The VNNI kernel rounds its inputs to
+    int8, so the last-bit differences of fused ops can move a rounding step (~1e-3 in this random
+    model's flat logits, enough to flip a near-tie): there compiled = eager holds to that rounding,
+    not token for token."""
+    monkeypatch.setattr(cpu_quant_matmul, "available", lambda: False)
     converted = tmp_path / "llama-q"
-    convert(tiny_llama_dir, converted, bits=3.5, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
+    convert(tiny_llama64_dir, converted, bits=3.5, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
     prompts = tiny_prompts(4)
     params = [SamplingParams(max_tokens=6 + 4 * i, **GREEDY) for i in range(4)]
     eager = LLM(str(converted), dtype="float32", enforce_eager=True, kv_cache_memory=4_000_000, max_num_seqs=8)
