@@ -16,13 +16,14 @@ and the codes are centred on the middle of the range their group uses (center * 
 subtracted from the int32 sum), so the rounding of x meets weights of at most half that range
 rather than the codes themselves (up to 15 steps). Lanes hold 16 output channels, so a
 block of weights is loaded and unpacked once for up to 6 rows, and no sum is reduced across
-lanes. In a microbenchmark on a 2-core AVX512 EPYC, against torch's int4 kernel: 3072 x 576
-17 us at one row (3.6x), 0.23 ms at 32 (3.9x), 3.6 ms at 512 (1.3x faster than a prepacked
-bfloat16 oneDNN matmul, with no dequantization), so it serves every row count.
+lanes. In microbenchmarks on a 2-core AVX512 EPYC (noisy: +-20% between runs), a 3072 x 576
+matrix took 15-17 us at one row against ~60 us for torch's int4 kernel, and ~0.28 ms at 32 rows
+against ~0.8 ms; an earlier version of this kernel took 3.6 ms at 512 rows, 1.3x faster than a
+prepacked bfloat16 oneDNN matmul with no dequantization, so it serves every row count.
 
 The inputs are rounded to one int8 digit per element (x ~ xscale * xq), or to two (x ~ xscale *
 (xq + xq' / 254): 15 bits, exact for bfloat16 inputs in practice) at twice the multiplications,
-which on this 2-vCPU machine cost ~2x at one row (3072 x 576: 39 vs 17 us). One digit adds
+which cost 1.2-1.8x (3072 x 576: 19-21 vs 15-17 us at one row, ~0.49 vs ~0.28 ms at 32). One digit adds
 ~0.5% relative error to a product of random inputs. On a 4.0-bpw SmolLM2 (brown k and j, 8,192
 tokens, KL to the dense model), one digit everywhere raised the KL from 0.1665 (two digits) to
 0.1768, of which all but 0.0022 came from the head, whose errors go straight into the logits: so
