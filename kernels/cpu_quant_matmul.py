@@ -23,8 +23,8 @@ prepacked bfloat16 oneDNN matmul with no dequantization, so it serves every row 
 
 The inputs are rounded to one int8 digit per element (x ~ xscale * xq), or to two (x ~ xscale *
 (xq + xq' / 254): 15 bits, exact for bfloat16 inputs in practice) at twice the multiplications,
-which cost 1.2-1.8x (3072 x 576: 19-21 vs 15-17 us at one row, ~0.49 vs ~0.28 ms at 32). One digit adds
-~0.5% relative error to a product of random inputs. On a 4.0-bpw SmolLM2 (brown k and j, 8,192
+which cost 1.2-1.8x (3072 x 576: 19-21 vs 15-17 us at one row, ~0.49 vs ~0.28 ms at 32). One
+digit adds ~0.5% relative error to a product of random inputs. On a 4.0-bpw SmolLM2 (brown k and j, 8,192
 tokens, KL to the dense model), one digit everywhere raised the KL from 0.1665 (two digits) to
 0.1768, of which all but 0.0022 came from the head, whose errors go straight into the logits: so
 the head takes two digits and the decoder layers one (`CpuQuantMatmul.input_digits`).
