@@ -36,7 +36,8 @@ log = logging.getLogger("qrun")
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.cpp", "cpu_int4.cpp", "cpu_quant_matmul.cpp", "cpu_ops.cpp"))
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fopenmp", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+          "-fopenmp", "-std=c++20", "-shared", "-fPIC",
+          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
 
 _lock = threading.Lock()
 _loaded = False

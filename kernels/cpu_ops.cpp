@@ -22,7 +22,8 @@ extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* s
                                         int64_t n_total, int64_t k_total, int64_t out_stride, int64_t group,
                                         int accumulate, int threads);
 extern "C" int qrun_quant_matmul_available();
-extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
+                                 const uint16_t* scales,
                                  const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,
                                  int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
 
@@ -98,16 +99,16 @@ at::Tensor to_bfloat16(const at::Tensor& values) {
 
 // One plane's product: y (float32) = x[:, :k] W^T, or y += it.
 void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k, int64_t input_digits, at::Tensor& y,
-                        bool accumulate) {
+                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k,
+                        int64_t input_digits, at::Tensor& y, bool accumulate) {
     TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() && centers.is_contiguous() &&
                     codes.numel() * 2 == y.size(1) * k && centers.numel() * 32 == k,
                 "quant_matmul: packed weights do not match [", y.size(1), ", ", k, "]");
     const int status = qrun_quant_matmul(
         x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
         static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
-        static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr<float>(), y.stride(0), x.size(0), y.size(1), k, group, input_digits, accumulate,
-        at::get_num_threads());
+        static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr<float>(), y.stride(0), x.size(0), y.size(1), k,
+        group, input_digits, accumulate, at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", k, "] by a [", y.size(1), ", ",
                 k, "] weight in groups of ", group, " (status ", status, ")");
 }
@@ -123,7 +124,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     if (high_codes.has_value())
         quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
                            true);
-    return x.scalar_type() == at::kFloat ? y : x.scalar_type() == at::kBFloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
+    if (x.scalar_type() == at::kFloat) return y;
+    return x.scalar_type() == at::kBFloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
 }
 
 at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -85,9 +85,26 @@ QuantizedRows quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, i
 
 // Rows m0 .. m0 + R of y's channel tile `tile`, every input: the weights of a block are unpacked
 // once for the R rows, whose int32 sums stay in registers.
+// One plane of weights in the layout above: [n, k] in groups of `group` inputs.
+struct Weights {
+    const uint8_t* codes;
+    const uint16_t* scales;
+    const uint16_t* zeros;
+    const int8_t* centers;
+    int64_t n, k, group;
+};
+
+// Where a call writes: y [rows, n] with row stride ldy, added to y's values when accumulating.
+struct Output {
+    float* y;
+    int64_t ldy;
+    bool accumulate;
+};
+
 template <int R, bool two_digits>
-void tile_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
-               int64_t k, int64_t group, const QuantizedRows& x, int64_t m0, float* y, int64_t ldy, int64_t tile, bool accumulate) {
+void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, int64_t tile) {
+    const auto [codes, scales, zeros, centers, n, k, group] = weights;
+    const auto [y, ldy, accumulate] = out;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
     __m512 total[R], group_total[R];
     for (int r = 0; r < R; r++) {
@@ -106,7 +123,7 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* zer
         for (int r = 0; r < R; r++) {
             const int64_t at = (m0 + r) * k + b * BLOCK_K, block = (m0 + r) * blocks + b;
             const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
-            const int32_t* low = reinterpret_cast<const int32_t*>(x.low.data() + at);
+            const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
             __m512i high_dot = _mm512_setzero_si512(), low_dot = _mm512_setzero_si512();
             for (int q = 0; q < 8; q++) {
                 high_dot = _mm512_dpbusd_epi32(high_dot, w[q], _mm512_set1_epi32(high[q]));
@@ -139,28 +156,21 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* zer
 
 // The last rows (fewer than ROW_TILE) of a tile: tile_rows<left>.
 template <int R, bool two_digits>
-void remaining_rows(int64_t left, const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
-                    const int8_t* centers, int64_t k, int64_t group, const QuantizedRows& x, int64_t m0, float* y, int64_t ldy, int64_t tile,
-                    bool accumulate) {
+void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out,
+                    int64_t tile) {
     if constexpr (R > 0) {
-        if (left == R)
-            return tile_rows<R, two_digits>(codes, scales, zeros, centers, k, group, x, m0, y, ldy, tile, accumulate);
-        remaining_rows<R - 1, two_digits>(left, codes, scales, zeros, centers, k, group, x, m0, y, ldy, tile,
-                                          accumulate);
+        if (left == R) return tile_rows<R, two_digits>(weights, x, m0, out, tile);
+        remaining_rows<R - 1, two_digits>(left, weights, x, m0, out, tile);
     }
 }
 
 template <bool two_digits>
-void quant_matmul(const QuantizedRows& x, const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
-                  const int8_t* centers, float* y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group, bool accumulate,
-                  int threads) {
+void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, const Output& out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t tile = 0; tile < n / TILE_N; tile++) {
+    for (int64_t tile = 0; tile < weights.n / TILE_N; tile++) {
         int64_t m0 = 0;
-        for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE)
-            tile_rows<ROW_TILE, two_digits>(codes, scales, zeros, centers, k, group, x, m0, y, ldy, tile, accumulate);
-        remaining_rows<ROW_TILE - 1, two_digits>(rows - m0, codes, scales, zeros, centers, k, group, x, m0, y, ldy,
-                                                 tile, accumulate);
+        for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE) tile_rows<ROW_TILE, two_digits>(weights, x, m0, out, tile);
+        remaining_rows<ROW_TILE - 1, two_digits>(rows - m0, weights, x, m0, out, tile);
     }
 }
 
@@ -179,18 +189,21 @@ extern "C" int qrun_quant_matmul_available() {
 // y [M, N] (float32, row stride ldy) = x[:, :K] (float32, or bfloat16 when x_bfloat16; row stride
 // ldx) W^T, or y += it (accumulate), with x rounded to `input_digits` (1 or 2) int8 digits per
 // element. 0: done; 1: shapes the layout does not cover; 2: no kernel in this build.
-extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
-                                 const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows, int64_t n, int64_t k,
-                                 int64_t group, int input_digits, int accumulate, int threads) {
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
+                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, float* y,
+                                 int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group, int input_digits,
+                                 int accumulate, int threads) {
 #ifdef QRUN_HAS_VNNI
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2) return 1;
     const QuantizedRows quantized =
         x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2)
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2);
+    const Weights weights{codes, scales, zeros, centers, n, k, group};
+    const Output out{y, ldy, accumulate != 0};
     if (input_digits == 2)
-        quant_matmul<true>(quantized, codes, scales, zeros, centers, y, ldy, rows, n, k, group, accumulate, threads);
+        quant_matmul<true>(quantized, rows, weights, out, threads);
     else
-        quant_matmul<false>(quantized, codes, scales, zeros, centers, y, ldy, rows, n, k, group, accumulate, threads);
+        quant_matmul<false>(quantized, rows, weights, out, threads);
     return 0;
 #else
     return 2;

@@ -24,16 +24,17 @@ prepacked bfloat16 oneDNN matmul with no dequantization, so it serves every row 
 The inputs are rounded to one int8 digit per element (x ~ xscale * xq), or to two (x ~ xscale *
 (xq + xq' / 254): 15 bits, exact for bfloat16 inputs in practice) at twice the multiplications,
 which cost 1.2-1.8x (3072 x 576: 19-21 vs 15-17 us at one row, ~0.49 vs ~0.28 ms at 32). One
-digit adds ~0.5% relative error to a product of random inputs. On a 4.0-bpw SmolLM2 (brown k and j, 8,192
-tokens, KL to the dense model), one digit everywhere raised the KL from 0.1665 (two digits) to
-0.1768, of which all but 0.0022 came from the head, whose errors go straight into the logits: so
+digit adds ~0.5% relative error to a product of random inputs. On a 4.0-bpw SmolLM2 (brown k and
+j, 8,192 tokens, KL to the dense model), one digit everywhere raised the KL from 0.1665 (two
+digits) to 0.1768, of which all but 0.0022 came from the head, whose errors go straight into the logits: so
 the head takes two digits and the decoder layers one (`CpuQuantMatmul.input_digits`).
 
 Layout (`pack`): codes [N / 16][K / 32][4][16][4] bytes: for a tile of 16 channels and a block of
 32 inputs, 4 slices of 64 bytes, channel c's 4 bytes in slice s holding inputs 8s + j (low
 nibble) and 8s + 4 + j (high nibble); scales and zeros float16 [N / 16][K / group][16]; centers
-int8 [K / 32] (one value per group): w = (code - center) * scale + zero. A second plane (`high_*`) adds the upper digits of 5-8-bit codes over
-the first `k_high` inputs (CpuQuantMatmul's split: qrun/quant.py).
+int8 [K / 32] (one value per group): w = (code - center) * scale + zero. A second plane
+(`high_*`) adds the upper digits of 5-8-bit codes over the first `k_high` inputs
+(CpuQuantMatmul's split: qrun/quant.py).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tupl
     groups = scales.shape[1]
     per_group = codes.view(n, groups, -1)
     centers = (per_group.amin(dim=(0, 2)) + per_group.amax(dim=(0, 2)) + 1) // 2
-    nibbles = codes.to(torch.uint8).view(n // TILE_N, TILE_N, k // BLOCK_K, 4, 2, 4)  # tile, channel, block, slice, nibble, j
+    # tile, channel, block, slice, nibble, j
+    nibbles = codes.to(torch.uint8).view(n // TILE_N, TILE_N, k // BLOCK_K, 4, 2, 4)
     packed = (nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
     centred_zeros = zeros + (centers - 8).to(scales.dtype) * scales
     block_centers = centers.repeat_interleave(k // groups // BLOCK_K).to(torch.int8)
@@ -83,7 +85,8 @@ def unpack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, cente
            n: int) -> torch.Tensor:
     """float32 [n, K]: the weight `pack` laid out."""
     k = codes.numel() * 2 // n
-    packed = codes.view(n // TILE_N, k // BLOCK_K, 4, TILE_N, 4).permute(0, 3, 1, 2, 4)  # tile, channel, block, slice, j
+    # tile, channel, block, slice, j
+    packed = codes.view(n // TILE_N, k // BLOCK_K, 4, TILE_N, 4).permute(0, 3, 1, 2, 4)
     nibbles = torch.stack([packed & 15, packed >> 4], dim=-2)  # ..., slice, nibble, j
     values = nibbles.reshape(n, k).float() - centers.float().repeat_interleave(BLOCK_K)
 

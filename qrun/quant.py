@@ -222,10 +222,13 @@ class CpuQuantMatmul(nn.Module):
         self.perm, self.k_high, self.kernel_group, self.bias = parts.perm, parts.k_high, parts.kernel_group, parts.bias
         self.group, self.out_features = parts.group, out_features
         self.dense = None if parts.dense is None else parts.dense.to(torch.bfloat16)
+        # the VNNI kernel's (codes, scales, zeros, centers) of the low digits, then of the high ones
+        # (or four Nones); low and high: torch's int4 kernel's weights instead
         self.planes = self.low = self.high = None
         self.dequantizes = False
         if parts.low is not None and self._vnni_takes(parts):
-            self.planes = (*_vnni_plane(parts.low, parts), *(_vnni_plane(parts.high, parts) if parts.high else [None] * 4))
+            high = _vnni_plane(parts.high, parts) if parts.high else (None,) * 4
+            self.planes = (*_vnni_plane(parts.low, parts), *high)
         elif parts.low is not None:
             self.low, self.high = (None if p is None else (torch.ops.aten._convert_weight_to_int4pack_for_cpu(p[0], 1),
                                                            p[1].to(torch.bfloat16).contiguous())
@@ -256,7 +259,8 @@ class CpuQuantMatmul(nn.Module):
         group = first.group if all(p.group == first.group for p in parts) else first.kernel_group
         fused = _CpuParts(first.perm, None if first.dense is None else torch.cat([p.dense for p in parts]),
                           cat_planes([p.low for p in parts]), cat_planes([p.high for p in parts]), first.k_high,
-                          first.kernel_group, group, torch.cat(biases) if any(p.bias is not None for p in parts) else None)
+                          first.kernel_group, group,
+                          torch.cat(biases) if any(p.bias is not None for p in parts) else None)
         return cls(fused, sum(lin.out_features for lin in linears), input_digits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
