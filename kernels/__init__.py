@@ -3,8 +3,8 @@ references.
 
 `QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
 the CPU the C++ kernels where an op has one (paged attention's decode rows:
-`kernels/cpu_attention.py`, built at first use by `kernels/cpu_library.py`) and the torch
-references for the rest, or the references alone where no C++ compiler builds them. Every
+`kernels/cpu_attention.py`; the input rotation: `kernels/cpu_rotation.py`; built at first use by
+`kernels/cpu_library.py`) and the torch references for the rest, or the references alone where no C++ compiler builds them. Every
 implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
 call them without knowing which they got.
 """
@@ -16,12 +16,13 @@ from types import SimpleNamespace
 
 import torch
 
-from qrun.kernels import cpu_attention, cpu_library
+from qrun.kernels import cpu_attention, cpu_library, cpu_rotation
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
+from qrun.kernels.rotation import rotate
 
 _CHOICES = ("auto", "torch", "triton", "cpu")
 
@@ -32,6 +33,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "rms_norm": {"torch": rms_norm_ref, "triton": rms_norm_triton},
     "apply_rotary": {"torch": apply_rotary_ref, "triton": apply_rotary_triton},
     "dequant_matmul": {"torch": dequant_matmul_ref, "triton": dequant_matmul_triton},
+    # GPUs rotate through torch's matmuls (cuBLAS): a kernel of its own did not pay there
+    "rotate": {"torch": rotate, "triton": rotate, "cpu": cpu_rotation.rotate_cpu},
 }
 
 

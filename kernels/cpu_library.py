@@ -1,13 +1,14 @@
 """The C++ kernels for CPUs, built into one library of torch ops at first use.
 
-The kernels (cpu_attention.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp) are plain C++;
-cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and Meta implementations), so
+The kernels (cpu_attention.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp, cpu_rotation.cpp) are plain
+C++; cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and Meta implementations), so
 eager code reaches them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes
 call it replaces took ~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps
-each as one call. Built with the machine's C++ compiler (the names
-Inductor looks for) for this CPU (-march=native) against the running torch's headers, and
-cached under qrun's cache folder keyed by the sources, flags, compiler, torch and CPU: ~15 s
-once. It links the OpenMP runtime torch has loaded (same soname), so its parallel loops run on
+each as one call. cpu_decode_layer.cpp is a decoder layer's decode step as one object calling
+them (`torch.classes.qrun.DecodeLayer`, qrun/cpu_decode.py). Built with the machine's C++
+compiler (the names Inductor looks for) for this CPU (-march=native) against the running
+torch's headers, and cached under qrun's cache folder keyed by the sources, flags, compiler,
+torch and CPU: ~25 s once. It links the OpenMP runtime torch has loaded (same soname), so its parallel loops run on
 torch's threads rather than on a second pool fighting them for the cores. Floating point is
 IEEE apart from reassociation (vectorised sums): no -ffast-math, whose startup code would
 switch the whole process to flush-to-zero.
@@ -34,7 +35,9 @@ from qrun.atomic import atomic_path
 log = logging.getLogger("qrun")
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.cpp", "cpu_int4.cpp", "cpu_quant_matmul.cpp", "cpu_ops.cpp"))
+                for name in ("cpu_attention.cpp", "cpu_int4.cpp", "cpu_quant_matmul.cpp", "cpu_rotation.cpp",
+                             "cpu_ops.cpp", "cpu_decode_layer.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fopenmp", "-std=c++20", "-shared", "-fPIC",
           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
@@ -70,7 +73,8 @@ def _build() -> None:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in SOURCES), " ".join(_FLAGS).encode(),
+    sources = b"\0".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(b"\0".join([sources, " ".join(_FLAGS).encode(),
                                      version.encode(), torch.__version__.encode(), _cpu_id().encode()]))
     target = cache_dir() / "kernels" / f"qrun_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():

@@ -11,21 +11,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
-extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,
-                                     const void* v_cache, const void* k_scales, const void* v_scales,
-                                     const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
-                                     const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
-                                     int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
-                                     float scale, int threads);
-extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* scale_zero, uint16_t* out,
-                                        int64_t n_total, int64_t k_total, int64_t out_stride, int64_t group,
-                                        int accumulate, int threads);
-extern "C" int qrun_quant_matmul_available();
-extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
-                                 const uint16_t* scales,
-                                 const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,
-                                 int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
+#include "cpu_kernels.h"
 
 namespace {
 
@@ -137,6 +125,30 @@ at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::
 
 bool quant_matmul_available() { return qrun_quant_matmul_available() != 0; }
 
+// odd_factor: rotation.py's factor for K's odd part, or None where K is a power of two.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "rotate: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
+                x.sizes());
+    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.is_contiguous() && signs.numel() == x.size(1),
+                "rotate: signs must be float32 [", x.size(1), "]");
+    TORCH_CHECK(!odd_factor || (odd_factor->scalar_type() == at::kFloat && odd_factor->is_contiguous() &&
+                                odd_factor->dim() == 2 && odd_factor->size(0) == odd_factor->size(1)),
+                "rotate: odd_factor must be a square contiguous float32 matrix");
+    const int64_t odd = odd_factor ? odd_factor->size(0) : 1;
+    at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    const int status = qrun_rotate(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                   x.scalar_type() == at::kFloat ? 0 : 1, signs.data_ptr<float>(),
+                                   odd_factor ? odd_factor->data_ptr<float>() : nullptr, odd, x.size(0), x.size(1),
+                                   at::get_num_threads());
+    TORCH_CHECK(status == 0, "rotate: ", x.size(1), " inputs are not ", odd, " times a power of two");
+    return out;
+}
+
+at::Tensor rotate_shape(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&) {
+    return at::empty_like(x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
@@ -147,16 +159,19 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
           "int k_high, int input_digits) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
+    m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("dequantize_int4pack", &dequantize_int4pack);
     m.impl("quant_matmul", &quant_matmul);
+    m.impl("rotate", &rotate);
 }
 
 TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("decode_attention", &decode_attention_shape);
     m.impl("dequantize_int4pack", &dequantize_int4pack_shape);
     m.impl("quant_matmul", &quant_matmul_shape);
+    m.impl("rotate", &rotate_shape);
 }

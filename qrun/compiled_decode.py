@@ -1,4 +1,6 @@
-"""Decode steps on the CPU through one `torch.compile`d decoder layer.
+"""Decode steps on the CPU through one `torch.compile`d decoder layer, where the C++ decoder layer
+(`qrun/cpu_decode.py`, the faster path) does not cover the model: quantized KV caches, heads
+without a C++ attention, 4-bit models on CPUs without AVX512-VNNI.
 
 In eager mode a decoder layer costs ~50 small torch ops around its matmuls (norms, rotary, casts,
 the cache write, the rotations of a mixed-bit model): at one to a few sequences that overhead is

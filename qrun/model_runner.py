@@ -7,7 +7,9 @@ import logging
 import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
+from qrun.cpu_decode import DecodeLayers
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
+from qrun.kernels import backend
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_means
 from qrun.model import AttentionMetadata
@@ -26,8 +28,11 @@ class ModelRunner:
         means = key_means(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, means)
         self.half_gemv = uses_cpu_dense_linears(self.model)
-        self.compiled = (CompiledDecode(self.model, self.kv_cache)
-                         if compile_decode and can_compile(self.model, self.device) else None)
+        # decode steps: each layer one C++ call where the CPU kernels cover the model, else a
+        # compiled torch layer (unless compile_decode is off), else eager
+        self.decode_layers = DecodeLayers.build(self.model, self.kv_cache) if backend(self.device) == "cpu" else None
+        self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_layers is None
+                         and can_compile(self.model, self.device) else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -55,30 +60,34 @@ class ModelRunner:
             if start + n == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        layer = self.compiled.layer_for(spans) if self.compiled is not None else None
+        decode = self.decode_layers is not None and all(end - start == 1 for start, end in spans)
+        if decode:
+            layer = self.decode_layers.layer_forward()
+        else:
+            layer = self.compiled.layer_for(spans) if self.compiled is not None else None
         meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
-                                       compiled=layer is not None)
+                                       compiled=self.compiled is not None and layer is not None)
         positions = [p for start, end in spans for p in range(start, end)]
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in (input_ids, positions, sample_rows))
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+        def forward(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.model(ids, positions, meta, self.kv_cache, layer)
             return hidden, self.model.compute_logits(hidden[rows]) if sampling else None
 
         try:
-            hidden, logits = forward()
+            hidden, logits = forward(layer)
         except Exception:  # a compiled step that fails must not stop the engine: eager from now on
-            if layer is None:
+            if self.compiled is None or layer is None:
                 raise
             log.warning("compiled decode step failed; running eager from now on", exc_info=True)
             self.compiled.disable()
             layer = None
-            hidden, logits = forward()
+            hidden, logits = forward(layer)
         if (self.half_gemv and len(input_ids) <= GEMV_ROWS and not (
                 torch.isfinite(hidden).all() and (logits is None or torch.isfinite(logits).all()))):
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
-                hidden, logits = forward()
+                hidden, logits = forward(self.decode_layers.layer_forward(half_gemv=False) if decode else layer)
         if logits is None:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampling
         return logits, sampling

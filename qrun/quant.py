@@ -29,7 +29,7 @@ from qrun.errors import ModelLoadError
 from qrun.kernels import backend, cpu_int4, cpu_quant_matmul, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
                                          group_values, unpack_rows)
-from qrun.kernels.rotation import rotate, rotation_factors, unpack_signs, unrotate
+from qrun.kernels.rotation import rotation_factors, unpack_signs, unrotate
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 CPU_MODES = ("fast", "ref")
@@ -306,15 +306,17 @@ def _vnni_plane(plane: tuple[torch.Tensor, torch.Tensor], parts: _CpuParts) -> t
 
 
 class InputRotation(nn.Module):
-    """x -> x R, R = diag(signs) F: the rotated basis of the linears that read x (kernels/rotation.py)."""
+    """x -> x R, R = diag(signs) F: the rotated basis of the linears that read x (kernels/rotation.py),
+    through the kernel table's `rotate`."""
 
     def __init__(self, signs: torch.Tensor):
         super().__init__()
         self.register_buffer("signs", signs, persistent=False)
         self.factors = rotation_factors(signs.shape[0], signs.device)
+        self.rotate = ops_for(signs.device).rotate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rotate(x, self.signs, self.factors)
+        return self.rotate(x, self.signs, self.factors)
 
 
 # The model's input slots (an nn.Identity until shared) and the linears that read each, named

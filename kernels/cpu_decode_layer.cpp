@@ -1,0 +1,271 @@
+// One decoder layer's decode step (every sequence computes one token) in one call: torch.classes.qrun.DecodeLayer.
+// Built at load from a qrun.model.DecoderLayer by qrun/cpu_decode.py, which documents why and what it covers.
+// The step is the eager layer's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
+// rotary and the cache write are a loop here; norms, SiLU and dense matmuls are torch's ops called from C++ (a
+// hand-written reduction or exp would round differently); the 4-bit matmul, the rotation and the attention are
+// the library's kernels, as in the eager layer.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+// Products and sums rounded where torch's ops round them (fused multiply-adds only where written): a bfloat16
+// model's greedy tokens must stay those of eager.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// How a linear multiplies (qrun/cpu_decode.py builds each).
+enum LinearKind : int64_t {
+    QUANT = 0,        // the VNNI 4-bit planes of cpu_quant_matmul: weights = low (codes, scales, zeros, centers)
+                      // [+ high the same]; bias float32, added in the model's dtype
+    DENSE = 1,        // at::linear(x, weights[0], bias)
+    HALF_GEMV = 2,    // cpu_linear.CpuDenseLinear: weights = (float16 W, W or oneDNN-packed W[, float16 bias]);
+    HALF_GEMV_PACKED = 3,  // ... the second weight prepacked for oneDNN
+};
+
+constexpr int64_t GEMV_ROWS = 2;  // cpu_linear.GEMV_ROWS
+
+template <typename T>
+inline T round_to(float value) {
+    return T(value);  // c10::BFloat16 and c10::Half round to nearest even
+}
+
+struct Linear {
+    int64_t kind = -1;
+    std::vector<at::Tensor> weights;
+    std::optional<at::Tensor> bias, perm, signs, odd_factor;
+    int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
+
+    at::Tensor rotate(const at::Tensor& x) const {  // kernels/cpu_rotation.cpp
+        static const auto op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("qrun::rotate", "")
+                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                      const std::optional<at::Tensor>&)>();
+        return op.call(x, *signs, odd_factor);
+    }
+
+    at::Tensor quant_matmul(const at::Tensor& x) const {
+        const int64_t rows = x.size(0);
+        at::Tensor y = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+        const bool bf16 = x.scalar_type() == at::kBFloat16;
+        for (size_t plane = 0; plane < weights.size(); plane += 4) {
+            const at::Tensor &codes = weights[plane], &scales = weights[plane + 1], &zeros = weights[plane + 2];
+            const int64_t k = plane == 0 ? x.size(1) : k_high;
+            const int status = qrun_quant_matmul(
+                x.data_ptr(), bf16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
+                static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
+                static_cast<const int8_t*>(weights[plane + 3].data_ptr()), y.data_ptr<float>(), y.stride(0), rows,
+                out_features, k, group, int(input_digits), plane > 0, at::get_num_threads());
+            TORCH_CHECK(status == 0, "DecodeLayer: qrun_quant_matmul rejected a [", out_features, ", ", k,
+                        "] plane (status ", status, ")");
+        }
+        if (x.scalar_type() == at::kFloat && !bias) return y;
+        at::Tensor out = at::empty({rows, out_features}, x.options());
+        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer_quant_out", [&] {
+            const float* values = y.data_ptr<float>();
+            const float* b = bias ? bias->data_ptr<float>() : nullptr;
+            scalar_t* dst = out.data_ptr<scalar_t>();
+            for (int64_t i = 0; i < rows * out_features; i++) {
+                const float value = float(round_to<scalar_t>(values[i]));
+                dst[i] = round_to<scalar_t>(b ? value + float(round_to<scalar_t>(b[i % out_features])) : value);
+            }
+        });
+        return out;
+    }
+
+    at::Tensor onednn(const at::Tensor& x) const {
+        static const c10::OperatorHandle op =
+            c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+        std::vector<c10::IValue> stack{x, weights[1], bias ? c10::IValue(*bias) : c10::IValue(),
+                                       std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                                       std::string("")};
+        op.callBoxed(&stack);
+        return stack[0].toTensor();
+    }
+
+    at::Tensor operator()(const at::Tensor& x, bool half_gemv) const {
+        at::Tensor in = signs ? rotate(x) : x;
+        if (perm) in = at::index_select(in, 1, *perm);
+        switch (kind) {
+            case QUANT:
+                return quant_matmul(in.contiguous());
+            case DENSE:
+                return at::linear(in, weights[0], bias);
+            default:
+                if (half_gemv && in.size(0) <= GEMV_ROWS) {
+                    const std::optional<at::Tensor> half_bias =
+                        weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt;
+                    return at::linear(in.to(at::kHalf), weights[0], half_bias).to(in.scalar_type());
+                }
+                return kind == HALF_GEMV_PACKED ? onednn(in) : at::linear(in, weights[1], bias);
+        }
+    }
+};
+
+// Rotary position embedding (Hugging Face's half-split layout) of one head, rounded to T.
+template <typename T>
+inline void rotary(const T* x, const float* cos, const float* sin, int64_t dim, T* out) {
+    const int64_t half = dim / 2;
+    for (int64_t d = 0; d < half; d++) {
+        const float a = float(x[d]), b = float(x[d + half]);
+        // x * cos + rotate_half(x) * sin as torch's addcmul computes it: the product with cos rounded, the one
+        // with sin fused into the add
+        out[d] = round_to<T>(std::fma(b, -sin[d], a * cos[d]));
+        out[d + half] = round_to<T>(std::fma(a, sin[d], b * cos[d]));
+    }
+}
+
+int kv_kind(at::ScalarType type) {
+    switch (type) {
+        case at::kFloat: return 0;
+        case at::kBFloat16: return 1;
+        case at::kHalf: return 2;
+        default: TORCH_CHECK(false, "DecodeLayer: no path for a ", type, " cache");
+    }
+}
+
+class DecodeLayer : public torch::CustomClassHolder {
+  public:
+    DecodeLayer(at::Tensor input_norm, at::Tensor post_attention_norm, double eps, int64_t num_heads,
+                int64_t num_kv_heads, int64_t head_dim, double scale)
+        : input_norm_(std::move(input_norm)), post_attention_norm_(std::move(post_attention_norm)), eps_(eps),
+          num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {}
+
+    // slot: 0 q/k/v (fused), 1 o, 2 gate/up (fused), 3 down.
+    void set_linear(int64_t slot, int64_t kind, std::vector<at::Tensor> weights, std::optional<at::Tensor> bias,
+                    std::optional<at::Tensor> perm, std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
+                    int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits) {
+        TORCH_CHECK(slot >= 0 && slot < 4 && kind >= QUANT && kind <= HALF_GEMV_PACKED,
+                    "DecodeLayer.set_linear: slot ", slot, " kind ", kind);
+        linears_[slot] = Linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
+                                std::move(odd_factor), out_features, group, k_high, input_digits};
+    }
+
+    std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual,
+                                               const at::Tensor& positions, const at::Tensor& cos_sin,
+                                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                               bool half_gemv) const {
+        std::tuple<at::Tensor, at::Tensor> result;
+        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer", [&] {
+            result = step<scalar_t>(x, residual, positions, cos_sin, slot_mapping, block_tables, seq_lens,
+                                    query_start_loc, k_cache, v_cache, half_gemv);
+        });
+        return result;
+    }
+
+  private:
+    template <typename T>
+    std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                            const at::Tensor& positions, const at::Tensor& cos_sin,
+                                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                            bool half_gemv) const {
+        const at::Tensor x = x_in.contiguous();
+        const int64_t rows = x.size(0), hidden = x.size(1), dim = head_dim_;
+        // torch's RMSNorm, not a loop here: its reduction order decides bfloat16 roundings, and greedy tokens
+        // must stay those of eager
+        at::Tensor residual = at::add(x, residual_in);
+        at::Tensor normed = at::rms_norm(residual, {hidden}, input_norm_, eps_);
+
+        const at::Tensor qkv = linears_[0](normed, half_gemv).contiguous();
+        at::Tensor queries = at::empty({rows, num_heads_, dim}, x.options().dtype(at::kFloat));
+        write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, queries);
+
+        at::Tensor attended = at::empty_like(queries);
+        const at::Tensor tables = block_tables.to(at::kInt).contiguous();
+        int64_t block_shift = 0;
+        while ((int64_t(1) << block_shift) < k_cache.size(1)) block_shift++;
+        const int status = qrun_decode_attention(
+            kv_kind(k_cache.scalar_type()), queries.data_ptr<float>(), attended.data_ptr<float>(), k_cache.data_ptr(),
+            v_cache.data_ptr(), nullptr, nullptr, tables.data_ptr<int32_t>(), tables.size(1),
+            seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), rows, num_heads_, num_kv_heads_, dim,
+            block_shift, dim, float(scale_), at::get_num_threads());
+        TORCH_CHECK(status == 0, "DecodeLayer: qrun_decode_attention rejected the step (status ", status, ")");
+
+        const at::Tensor projected = linears_[1](attended.view({rows, num_heads_ * dim}).to(x.scalar_type()),
+                                                 half_gemv).contiguous();
+        residual = at::add(projected, residual);
+        normed = at::rms_norm(residual, {hidden}, post_attention_norm_, eps_);
+
+        const at::Tensor gate_up = linears_[2](normed, half_gemv).contiguous();
+        // torch's SiLU (its vectorised exp), as eager: a different exp moves float32 outputs by an ulp
+        const int64_t inner = gate_up.size(1) / 2;
+        const at::Tensor gated = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+        return {linears_[3](gated, half_gemv), residual};
+    }
+
+    // Rotary on q and k; k and v into their cache slots (in the cache's dtype), q (rounded to T) into `queries`.
+    template <typename T>
+    void write_keys_values(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                           const at::Tensor& slot_mapping, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           at::Tensor& queries) const {
+        const int64_t rows = qkv.size(0), dim = head_dim_, width = qkv.size(1);
+        const int64_t* pos = positions.data_ptr<int64_t>();
+        const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+        const float* table = cos_sin.data_ptr<float>();
+        std::vector<T> rotated(dim);
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_cache", [&] {
+            scalar_t* k_out = k_cache.data_ptr<scalar_t>();
+            scalar_t* v_out = v_cache.data_ptr<scalar_t>();
+            for (int64_t r = 0; r < rows; r++) {
+                const T* row = qkv.data_ptr<T>() + r * width;
+                const float* cos = table + pos[r] * dim;
+                const float* sin = cos + dim / 2;
+                float* q = queries.data_ptr<float>() + r * num_heads_ * dim;
+                for (int64_t h = 0; h < num_heads_; h++) {
+                    rotary(row + h * dim, cos, sin, dim, rotated.data());
+                    for (int64_t d = 0; d < dim; d++) q[h * dim + d] = float(rotated[d]);
+                }
+                const int64_t cache_row = slots[r] * num_kv_heads_ * dim;
+                const T* keys = row + num_heads_ * dim;
+                const T* values = keys + num_kv_heads_ * dim;
+                for (int64_t h = 0; h < num_kv_heads_; h++) {
+                    rotary(keys + h * dim, cos, sin, dim, rotated.data());
+                    for (int64_t d = 0; d < dim; d++) {
+                        k_out[cache_row + h * dim + d] = scalar_t(float(rotated[d]));
+                        v_out[cache_row + h * dim + d] = scalar_t(float(values[h * dim + d]));
+                    }
+                }
+            }
+        });
+    }
+
+    at::Tensor input_norm_, post_attention_norm_;
+    double eps_;
+    int64_t num_heads_, num_kv_heads_, head_dim_;
+    double scale_;
+    Linear linears_[4];
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(qrun, m) {
+    m.class_<DecodeLayer>("DecodeLayer")
+        .def(torch::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, double>())
+        .def("set_linear", &DecodeLayer::set_linear)
+        .def("forward", &DecodeLayer::forward);
+}

@@ -1,0 +1,24 @@
+// The plain C++ kernels' entry points (cpu_attention.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp, cpu_rotation.cpp),
+// for the files that call them: cpu_ops.cpp (the torch ops) and cpu_decode_layer.cpp. Their Python modules
+// document the arguments.
+
+#pragma once
+
+#include <cstdint>
+
+extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,
+                                     const void* v_cache, const void* k_scales, const void* v_scales,
+                                     const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
+                                     const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
+                                     int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
+                                     float scale, int threads);
+extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* scale_zero, uint16_t* out,
+                                        int64_t n_total, int64_t k_total, int64_t out_stride, int64_t group,
+                                        int accumulate, int threads);
+extern "C" int qrun_quant_matmul_available();
+extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout, int kind, const float* signs,
+                           const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int threads);
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
+                                 const uint16_t* scales,
+                                 const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,
+                                 int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);

@@ -1,0 +1,91 @@
+// The input rotation x -> (x * signs) F of kernels/rotation.py for CPUs. F = F_odd (x) H: the Hartley
+// transform of K's odd part (kernels/rotation.py's outermost factor) times the Sylvester-Hadamard matrix of its
+// power-of-two part, which is what the Kronecker product of rotation.py's power-of-two factors is. Built and
+// documented by kernels/cpu_rotation.py.
+//
+// torch runs it as one small matmul per factor; at one to a few rows each is a BLAS call whose thread start-up
+// costs more than its work. Here a row, viewed as [odd, 2^m], is rotated in float32 on its thread's stack: a
+// fast Walsh-Hadamard transform of each of its odd rows (m passes of additions), then the odd factor mixing
+// them, both with contiguous inner loops the compiler vectorises.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Kind { F32 = 0, BF16 = 1 };
+
+inline float load(const void* x, int kind, int64_t i) {
+    if (kind == F32) return static_cast<const float*>(x)[i];
+    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(x)[i]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+inline void store(void* out, int kind, int64_t i, float value) {
+    if (kind == F32) {
+        static_cast<float*>(out)[i] = value;
+        return;
+    }
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    const bool nan = (bits & 0x7FFFFFFF) > 0x7F800000;
+    static_cast<uint16_t*>(out)[i] = nan ? uint16_t(0x7FC0) : uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// x <- x H / sqrt(n) for the n x n Sylvester-Hadamard matrix H, n a power of two.
+void walsh_hadamard(float* x, int64_t n) {
+    for (int64_t h = 1; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float norm = 1.f / std::sqrt(float(n));
+    for (int64_t i = 0; i < n; i++) x[i] *= norm;
+}
+
+}  // namespace
+
+// x, out: [rows, k] float32 (kind 0) or bfloat16 (kind 1), rows `ldx` / `ldout` elements apart; signs: float32
+// [k]; odd_factor: float32 [odd, odd] (null when odd is 1), k / odd a power of two. Returns 0, or 1 for a k that
+// is not odd * 2^m or an unknown kind.
+extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout, int kind, const float* signs,
+                           const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int threads) {
+    const int64_t n = odd > 0 ? k / odd : 0;
+    if (n <= 0 || n * odd != k || (n & (n - 1)) != 0 || (odd > 1 && odd_factor == nullptr) ||
+        (kind != F32 && kind != BF16))
+        return 1;
+    const int64_t width = kind == F32 ? 4 : 2;
+#pragma omp parallel num_threads(rows > 1 ? std::min<int64_t>(threads, rows) : 1)
+    {
+        std::vector<float> a(k), b(k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const char* in = static_cast<const char*>(x) + r * ldx * width;
+            for (int64_t i = 0; i < k; i++) a[i] = load(in, kind, i) * signs[i];
+            for (int64_t p = 0; p < odd; p++) walsh_hadamard(a.data() + p * n, n);
+            float* rotated = a.data();
+            if (odd > 1) {  // b[i, :] = sum_j F[i, j] a[j, :]
+                for (int64_t i = 0; i < odd; i++) {
+                    float* dst = b.data() + i * n;
+                    std::fill(dst, dst + n, 0.f);
+                    for (int64_t j = 0; j < odd; j++) {
+                        const float weight = odd_factor[i * odd + j];
+                        const float* src = a.data() + j * n;
+                        for (int64_t q = 0; q < n; q++) dst[q] += weight * src[q];
+                    }
+                }
+                rotated = b.data();
+            }
+            char* dst = static_cast<char*>(out) + r * ldout * width;
+            for (int64_t i = 0; i < k; i++) store(dst, kind, i, rotated[i]);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,29 @@
+"""The input rotation of mixed-bit models on CPUs: `kernels/rotation.py`'s `rotate`, same signature,
+as one C++ call (`cpu_rotation.cpp`, through `torch.ops.qrun.rotate`).
+
+F's power-of-two factors multiply to one Sylvester-Hadamard matrix, so the kernel runs it as a fast
+Walsh-Hadamard transform and contracts only the odd factor as a matrix. At one to a few rows this
+is 2-5x faster than torch's one small matmul per factor (each a BLAS call with its own thread
+start-up); from ~256 rows on (prefill chunks) torch's batched matmuls are as fast. Results equal
+the reference's to float32 rounding (a different summation order), so a model rotates through one
+of the two everywhere: the kernel table's choice (`kernels/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qrun.kernels.rotation import rotate, rotation_factors
+
+
+def rotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """`rotation.rotate` through the C++ kernel where it takes x (float32 or bfloat16 rows),
+    else through the reference."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or signs.dtype != torch.float32 or x.device.type != "cpu":
+        return rotate(x, signs, factors)
+    k = x.shape[-1]
+    if factors is None:
+        factors = rotation_factors(k, x.device)
+    odd = factors[0] if factors and factors[0].shape[0] % 2 == 1 else None
+    rows = x.reshape(-1, k)
+    return torch.ops.qrun.rotate(rows if rows.stride(-1) == 1 else rows.contiguous(), signs, odd).view(x.shape)

@@ -1,0 +1,113 @@
+"""Decode steps on the CPU with each decoder layer as one C++ call (`kernels/cpu_decode_layer.cpp`).
+
+At one to a few sequences a decode step is bound by per-op overhead, not by the matmuls: eager, a
+SmolLM2 layer is ~50 torch ops (~0.7 ms a layer, 22 ms a step at batch 1, against a few ms of
+kernel time), and a `torch.compile`d layer still spent ~0.5 ms a call in Dynamo's guards and
+wrappers. The C++ layer runs the eager layer's ops in its order, with the same kernels (the
+kernel table's CPU ones, torch's norms and dense matmuls called from C++), so its results are
+the torch layers' bit for bit (tested); a 4.0-bpw SmolLM2 step at batch 1 took 9 ms instead of
+22. Like exllamav2's C++ attention and MLP, it is built once at load from the layer's modules
+(`build_layer`) and holds their weights. It covers float KV caches, heads the C++ attention
+takes, dense linears and quantized ones on the VNNI kernel; an engine whose layers it does not
+all cover runs the compiled torch layer instead (`qrun/compiled_decode.py`). Steps with a
+prefill chunk run the torch layers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from qrun.cpu_linear import CpuDenseLinear
+from qrun.kernels import cpu_library
+from qrun.kernels.cpu_attention import HEAD_DIMS
+from qrun.kv_cache import KVCache, LayerKV
+from qrun.model import AttentionMetadata, DecoderLayer, Transformer
+from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear
+
+# Linear kinds of cpu_decode_layer.cpp
+QUANT, DENSE, HALF_GEMV, HALF_GEMV_PACKED = range(4)
+_SLOTS = ("qkv", "o", "gate_up", "down")
+
+
+def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
+    """`DecodeLayer.set_linear`'s arguments after the slot for `module` reading an input rotated
+    by `rotation` (an InputRotation or nn.Identity), or None where the C++ layer has no path."""
+    if isinstance(module, QuantLinear):
+        if module.rotates_input:
+            if isinstance(rotation, InputRotation):
+                return None
+            rotation = module.input_rotation
+        module = module.cpu_matmul
+    signs, odd_factor = None, None
+    if isinstance(rotation, InputRotation):
+        signs = rotation.signs
+        odd_factor = next((f for f in rotation.factors if f.shape[0] % 2 == 1), None)
+    if isinstance(module, CpuQuantMatmul):
+        if module.planes is None:
+            return None
+        planes = module.planes if module.planes[4] is not None else module.planes[:4]
+        return (QUANT, list(planes), module.bias, module.perm, signs, odd_factor, module.out_features, module.group,
+                module.k_high, module.input_digits)
+    if signs is not None:
+        return None  # dense linears are never rotated
+    if isinstance(module, CpuDenseLinear):
+        packed = module.weight_packed is not None
+        weights = [module.weight_f16, module.weight_packed if packed else module.weight]
+        if module.bias_f16 is not None:
+            weights.append(module.bias_f16)
+        return (HALF_GEMV_PACKED if packed else HALF_GEMV, weights, module.bias, None, None, None, module.out_features,
+                0, 0, 1)
+    if type(module) is nn.Linear:
+        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1
+    return None
+
+
+def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | None:
+    """The C++ decode step of `layer` over `cache`, or None where it does not cover them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    dtype = layer.input_layernorm.weight.dtype
+    if (dtype not in (torch.float32, torch.bfloat16) or layer.post_attention_layernorm.weight.dtype != dtype
+            or attn.head_dim not in HEAD_DIMS or cache.k_scales is not None or cache.rotation is not None
+            or cache.k_mean is not None or attn.qkv_proj is None or mlp.gate_up_proj is None
+            or not (cache.k.is_contiguous() and cache.v.is_contiguous())):
+        return None
+    linears = [_linear(attn.qkv_proj, attn.qkv_input), _linear(attn.o_proj, nn.Identity()),
+               _linear(mlp.gate_up_proj, mlp.gate_up_input), _linear(mlp.down_proj, nn.Identity())]
+    if any(lin is None for lin in linears):
+        return None
+    fused = torch.classes.qrun.DecodeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                            layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
+                                            attn.head_dim, attn.scale)
+    for slot, args in enumerate(linears):
+        fused.set_linear(slot, *args)
+    return fused
+
+
+class DecodeLayers:
+    """The C++ decode steps of every layer of a model."""
+
+    def __init__(self, layers: dict[int, torch.ScriptObject]):
+        self.layers = layers  # by id() of the DecoderLayer
+
+    @classmethod
+    def build(cls, model: Transformer, kv_cache: KVCache) -> "DecodeLayers | None":
+        """The C++ layers of `model` over `kv_cache`, or None when the library is not built here
+        or some layer is not covered (the step then runs the torch layers)."""
+        if not cpu_library.available():
+            return None
+        layers = {id(layer): build_layer(layer, cache) for layer, cache in zip(model.layers, kv_cache.layers)}
+        return cls(layers) if all(fused is not None for fused in layers.values()) else None
+
+    def layer_forward(self, half_gemv: bool = True) -> Callable:
+        """`Transformer.forward`'s layer_forward for a step in which every sequence decodes one
+        token. `half_gemv`: dense bfloat16 linears may take their float16 GEMV path
+        (`cpu_linear.bfloat16_only` is the other case)."""
+        def layer_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                          cos_sin: torch.Tensor, meta: AttentionMetadata, cache: LayerKV):
+            return self.layers[id(layer)].forward(x, residual, positions, cos_sin, meta.slot_mapping,
+                                                  meta.block_tables, meta.seq_lens, meta.query_start_loc, cache.k,
+                                                  cache.v, half_gemv)
+        return layer_forward

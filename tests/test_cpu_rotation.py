@@ -1,0 +1,43 @@
+"""The C++ input rotation equals kernels/rotation.py's to float32 rounding, whatever the shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from qrun.kernels import cpu_library
+from qrun.kernels.cpu_rotation import rotate_cpu
+from qrun.kernels.rotation import random_signs, rotate, rotation_factors
+
+pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
+
+
+@settings(max_examples=40, deadline=None)
+@given(odd=st.sampled_from([1, 3, 5, 9]), power=st.integers(0, 9), rows=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), padding=st.sampled_from([0, 7]),
+       seed=st.integers(0, 2**16))
+def test_cpu_rotation_matches_the_reference(odd, power, rows, dtype, padding, seed):
+    k = odd << power
+    signs = random_signs(k, seed=seed).float()
+    wide = torch.randn(rows, k + padding, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x = wide[:, :k]  # rows further apart than k: the kernel reads them in place
+    expected = rotate(x.float(), signs)  # in float32, rounded once below, as both round
+    got = rotate_cpu(x, signs, rotation_factors(k, x.device))
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:  # one bfloat16 rounding step at most, where float32 sums differ in the last bits
+        torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=1e-5)
+
+
+def test_cpu_rotation_keeps_leading_dimensions():
+    x = torch.randn(2, 3, 96)
+    signs = random_signs(96).float()
+    torch.testing.assert_close(rotate_cpu(x, signs), rotate(x, signs), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_rotation_names_an_input_size_it_cannot_split():
+    x = torch.randn(2, 576)
+    with pytest.raises(RuntimeError, match="576 inputs are not 5 times a power of two"):
+        torch.ops.qrun.rotate(x, random_signs(576).float(), torch.eye(5))
