@@ -113,10 +113,13 @@ struct Linear {
             case DENSE:
                 return at::linear(in, weights[0], bias);
             default:
-                if (half_gemv && in.size(0) <= GEMV_ROWS) {
-                    const std::optional<at::Tensor> half_bias =
-                        weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt;
-                    return at::linear(in.to(at::kHalf), weights[0], half_bias).to(in.scalar_type());
+                if (half_gemv && in.size(0) <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
+                    static const auto op = c10::Dispatcher::singleton()
+                                               .findSchemaOrThrow("qrun::half_gemv", "")
+                                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                                 const std::optional<at::Tensor>&)>();
+                    return op.call(in.contiguous(), weights[0],
+                                   weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt);
                 }
                 return kind == HALF_GEMV_PACKED ? onednn(in) : at::linear(in, weights[1], bias);
         }

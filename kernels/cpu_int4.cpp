@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 inline float bf16_to_float(uint16_t bits) {
@@ -16,12 +18,6 @@ inline float bf16_to_float(uint16_t bits) {
     float value;
     std::memcpy(&value, &wide, sizeof(value));
     return value;
-}
-
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
 constexpr int64_t BLOCK_N = 64;
@@ -46,7 +42,7 @@ extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* s
             for (int64_t k = g * group; k < (g + 1) * group; k++) {
                 float value = float((codes[k * (BLOCK_N / 2)] >> shift) & 15) * scale + offset;
                 if (accumulate) value += bf16_to_float(row[k]);
-                row[k] = float_to_bf16(value);
+                row[k] = qrun_bfloat16_bits(value);
             }
         }
     }

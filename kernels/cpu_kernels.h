@@ -1,10 +1,19 @@
-// The plain C++ kernels' entry points (cpu_attention.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp, cpu_rotation.cpp),
-// for the files that call them: cpu_ops.cpp (the torch ops) and cpu_decode_layer.cpp. Their Python modules
-// document the arguments.
+// The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp,
+// cpu_rotation.cpp), for the files that call them: cpu_ops.cpp (the torch ops) and cpu_decode_layer.cpp; their
+// Python modules document the arguments. And the bfloat16 rounding the kernels share.
 
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+// bfloat16 bits of a float, rounded to nearest even as torch rounds; NaN stays NaN.
+inline uint16_t qrun_bfloat16_bits(float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    if ((bits & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
+    return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
 
 extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,
                                      const void* v_cache, const void* k_scales, const void* v_scales,
@@ -22,3 +31,5 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
                                  const uint16_t* scales,
                                  const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,
                                  int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
+extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
+                              int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads);

@@ -76,12 +76,9 @@ void dequantize_int4pack_shape(const at::Tensor&, const at::Tensor&, int64_t, at
 // small matrix; rounding to nearest even as torch does.
 at::Tensor to_bfloat16(const at::Tensor& values) {
     at::Tensor out = at::empty(values.sizes(), values.options().dtype(at::kBFloat16));
-    const uint32_t* in = static_cast<const uint32_t*>(values.data_ptr());
+    const float* in = values.data_ptr<float>();
     uint16_t* bits = static_cast<uint16_t*>(out.data_ptr());
-    for (int64_t i = 0; i < values.numel(); i++) {
-        const bool nan = (in[i] & 0x7FFFFFFF) > 0x7F800000;
-        bits[i] = nan ? uint16_t(0x7FC0) : uint16_t((in[i] + 0x7FFF + ((in[i] >> 16) & 1)) >> 16);
-    }
+    for (int64_t i = 0; i < values.numel(); i++) bits[i] = qrun_bfloat16_bits(in[i]);
     return out;
 }
 
@@ -145,6 +142,28 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, const std::optio
     return out;
 }
 
+at::Tensor half_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "half_gemv: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
+                x.sizes());
+    TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.is_contiguous() && weight.dim() == 2 &&
+                    weight.size(1) == x.size(1),
+                "half_gemv: weight must be a contiguous float16 [n, ", x.size(1), "] matrix");
+    TORCH_CHECK(!bias || (bias->scalar_type() == at::kHalf && bias->is_contiguous() && bias->numel() == weight.size(0)),
+                "half_gemv: bias must be float16 [", weight.size(0), "]");
+    at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+    const int status = qrun_half_gemv(x.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, x.stride(0),
+                                      static_cast<const uint16_t*>(weight.data_ptr()),
+                                      bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr, y.data_ptr(),
+                                      y.stride(0), x.size(0), weight.size(0), x.size(1), at::get_num_threads());
+    TORCH_CHECK(status == 0, "half_gemv: ", x.size(0), " rows; it multiplies 1 to 4");
+    return y;
+}
+
+at::Tensor half_gemv_shape(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
+    return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
+}
+
 at::Tensor rotate_shape(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&) {
     return at::empty_like(x);
 }
@@ -160,6 +179,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
           "int k_high, int input_digits) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
     m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
+    m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qrun, CPU, m) {
@@ -167,6 +187,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("dequantize_int4pack", &dequantize_int4pack);
     m.impl("quant_matmul", &quant_matmul);
     m.impl("rotate", &rotate);
+    m.impl("half_gemv", &half_gemv);
 }
 
 TORCH_LIBRARY_IMPL(qrun, Meta, m) {
@@ -174,4 +195,5 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("dequantize_int4pack", &dequantize_int4pack_shape);
     m.impl("quant_matmul", &quant_matmul_shape);
     m.impl("rotate", &rotate_shape);
+    m.impl("half_gemv", &half_gemv_shape);
 }

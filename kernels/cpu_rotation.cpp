@@ -14,6 +14,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 enum Kind { F32 = 0, BF16 = 1 };
@@ -31,10 +33,7 @@ inline void store(void* out, int kind, int64_t i, float value) {
         static_cast<float*>(out)[i] = value;
         return;
     }
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    const bool nan = (bits & 0x7FFFFFFF) > 0x7F800000;
-    static_cast<uint16_t*>(out)[i] = nan ? uint16_t(0x7FC0) : uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    static_cast<uint16_t*>(out)[i] = qrun_bfloat16_bits(value);
 }
 
 // x <- x H / sqrt(n) for the n x n Sylvester-Hadamard matrix H, n a power of two.

@@ -1,10 +1,12 @@
 """Dense bfloat16 linears on x86 CPUs: a float16 GEMV at one or two rows, oneDNN on a prepacked
 weight at more.
 
-At one or two rows a linear is a matrix-vector product bound by reading the weight. torch's
-float16 GEMV on x86 (vectorised, float32 accumulation) reads at close to memory speed, while
-its bfloat16 matmul at one row does not: on an AVX512-BF16 EPYC a 3072 x 576 weight took 151 us
-in float16 and 321 us in bfloat16, and a SmolLM2 decode step fell from 32 to 21 ms. At three
+At one or two rows a linear is a matrix-vector product bound by reading the weight. A float16
+GEMV (float32 accumulation) reads at close to memory speed, while torch's bfloat16 matmul at one
+row does not: on an AVX512-BF16 EPYC a 3072 x 576 weight took 151 us in torch's float16 GEMV and
+321 us in bfloat16, and a SmolLM2 decode step fell from 32 to 21 ms. With the C++ kernels built
+the GEMV is `kernels/cpu_half_gemv.py`'s (2-3x faster than torch's on weights in cache, 1.2-1.4x
+streaming the 49152 x 576 head), else torch's (its reference). At three
 rows and more float16 loses by far (no hardware GEMM: 3.0 ms vs 0.5 ms at 32 rows), and
 bfloat16's `F.linear` reorders the weight into oneDNN's blocked layout on every call: prepacked
 once at load, SmolLM2's 120 layer matmuls took 12-18 ms instead of 21-29 ms at 3 to 16 rows and
@@ -27,6 +29,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qrun.kernels import backend, cpu_half_gemv
+from qrun.kernels.cpu_half_gemv import half_gemv_ref
 
 GEMV_ROWS = 2
 
@@ -82,10 +87,11 @@ class CpuDenseLinear(nn.Module):
             if not shared:
                 self.weight = nn.Parameter(self.weight_packed, requires_grad=False)
         self.enabled = True  # False inside bfloat16_only
+        self.half_gemv = cpu_half_gemv.half_gemv if backend(self.weight_f16.device) == "cpu" else half_gemv_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:
-            return F.linear(x.to(torch.float16), self.weight_f16, self.bias_f16).to(x.dtype)
+            return self.half_gemv(x, self.weight_f16, self.bias_f16)
         if self.weight_packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
