@@ -536,10 +536,13 @@ def _table(rows: list[list[str]]) -> str:
 def ratio_table(summary: list[dict]) -> str:
     """Each qrun system's speed over every other system's: batched tok/s, and single-stream decode."""
     mine = [r for r in summary if r["system"].startswith("qrun")]
+    def ratio(a: float, b: float) -> str:
+        return "n/a" if math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"  # nan: the run had no single stream
+
     rows = [["ratio (batched tok/s | single stream)"] + [r["system"] for r in summary]]
     for q in mine:
-        rows.append([q["system"]] + [f"{q['tokens_per_s'] / r['tokens_per_s']:.2f}x | "
-                                     f"{q['single_stream_tok_s'] / r['single_stream_tok_s']:.2f}x" for r in summary])
+        rows.append([q["system"]] + [f"{ratio(q['tokens_per_s'], r['tokens_per_s'])} | "
+                                     f"{ratio(q['single_stream_tok_s'], r['single_stream_tok_s'])}" for r in summary])
     return _table(rows)
 
 
