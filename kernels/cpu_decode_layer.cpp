@@ -6,12 +6,10 @@
 // the library's kernels, as in the eager layer.
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/rms_norm.h>
@@ -26,8 +24,6 @@
 #include <optional>
 #include <tuple>
 #include <vector>
-
-#include "cpu_kernels.h"
 
 // Products and sums rounded where torch's ops round them (fused multiply-adds only where written): a bfloat16
 // model's greedy tokens must stay those of eager.
@@ -46,10 +42,13 @@ enum LinearKind : int64_t {
 
 constexpr int64_t GEMV_ROWS = 2;  // cpu_linear.GEMV_ROWS
 
-template <typename T>
-inline T round_to(float value) {
-    return T(value);  // c10::BFloat16 and c10::Half round to nearest even
+// The library's torch op `name` (cpu_ops.cpp), looked up once by each caller.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> library_op(const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
+
+using Optional = std::optional<at::Tensor>;
 
 struct Linear {
     int64_t kind = -1;
@@ -58,40 +57,22 @@ struct Linear {
     int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
 
     at::Tensor rotate(const at::Tensor& x) const {  // kernels/cpu_rotation.cpp
-        static const auto op = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("qrun::rotate", "")
-                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                      const std::optional<at::Tensor>&)>();
+        static const auto op = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&)>(
+            "qrun::rotate");
         return op.call(x, *signs, odd_factor);
     }
 
+    // kernels/cpu_quant_matmul.cpp, then the bias in x's dtype, as CpuQuantMatmul.forward adds it
     at::Tensor quant_matmul(const at::Tensor& x) const {
-        const int64_t rows = x.size(0);
-        at::Tensor y = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
-        const bool bf16 = x.scalar_type() == at::kBFloat16;
-        for (size_t plane = 0; plane < weights.size(); plane += 4) {
-            const at::Tensor &codes = weights[plane], &scales = weights[plane + 1], &zeros = weights[plane + 2];
-            const int64_t k = plane == 0 ? x.size(1) : k_high;
-            const int status = qrun_quant_matmul(
-                x.data_ptr(), bf16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
-                static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
-                static_cast<const int8_t*>(weights[plane + 3].data_ptr()), y.data_ptr<float>(), y.stride(0), rows,
-                out_features, k, group, int(input_digits), plane > 0, at::get_num_threads());
-            TORCH_CHECK(status == 0, "DecodeLayer: qrun_quant_matmul rejected a [", out_features, ", ", k,
-                        "] plane (status ", status, ")");
-        }
-        if (x.scalar_type() == at::kFloat && !bias) return y;
-        at::Tensor out = at::empty({rows, out_features}, x.options());
-        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer_quant_out", [&] {
-            const float* values = y.data_ptr<float>();
-            const float* b = bias ? bias->data_ptr<float>() : nullptr;
-            scalar_t* dst = out.data_ptr<scalar_t>();
-            for (int64_t i = 0; i < rows * out_features; i++) {
-                const float value = float(round_to<scalar_t>(values[i]));
-                dst[i] = round_to<scalar_t>(b ? value + float(round_to<scalar_t>(b[i % out_features])) : value);
-            }
-        });
-        return out;
+        static const auto op = library_op<at::Tensor(
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+            c10::SymInt, const Optional&, const Optional&, const Optional&, const Optional&, int64_t, int64_t)>(
+            "qrun::quant_matmul");
+        const auto high = [&](size_t i) { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; };
+        const at::Tensor y = op.call(x, weights[0], weights[1], weights[2], weights[3], group,
+                                     c10::SymInt(out_features), high(0), high(1), high(2), high(3), k_high,
+                                     input_digits);
+        return bias ? at::add(y, bias->to(x.scalar_type())) : y;
     }
 
     at::Tensor onednn(const at::Tensor& x) const {
@@ -114,12 +95,9 @@ struct Linear {
                 return at::linear(in, weights[0], bias);
             default:
                 if (half_gemv && in.size(0) <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
-                    static const auto op = c10::Dispatcher::singleton()
-                                               .findSchemaOrThrow("qrun::half_gemv", "")
-                                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                                 const std::optional<at::Tensor>&)>();
-                    return op.call(in.contiguous(), weights[0],
-                                   weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt);
+                    static const auto op = library_op<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                                 const Optional&)>("qrun::half_gemv");
+                    return op.call(in.contiguous(), weights[0], weights.size() > 2 ? Optional(weights[2]) : std::nullopt);
                 }
                 return kind == HALF_GEMV_PACKED ? onednn(in) : at::linear(in, weights[1], bias);
         }
@@ -134,17 +112,8 @@ inline void rotary(const T* x, const float* cos, const float* sin, int64_t dim, 
         const float a = float(x[d]), b = float(x[d + half]);
         // x * cos + rotate_half(x) * sin as torch's addcmul computes it: the product with cos rounded, the one
         // with sin fused into the add
-        out[d] = round_to<T>(std::fma(b, -sin[d], a * cos[d]));
-        out[d + half] = round_to<T>(std::fma(a, sin[d], b * cos[d]));
-    }
-}
-
-int kv_kind(at::ScalarType type) {
-    switch (type) {
-        case at::kFloat: return 0;
-        case at::kBFloat16: return 1;
-        case at::kHalf: return 2;
-        default: TORCH_CHECK(false, "DecodeLayer: no path for a ", type, " cache");
+        out[d] = T(std::fma(b, -sin[d], a * cos[d]));  // c10::BFloat16 and c10::Half round to nearest even
+        out[d + half] = T(std::fma(a, sin[d], b * cos[d]));
     }
 }
 
@@ -198,16 +167,11 @@ class DecodeLayer : public torch::CustomClassHolder {
         at::Tensor queries = at::empty({rows, num_heads_, dim}, x.options().dtype(at::kFloat));
         write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, queries);
 
-        at::Tensor attended = at::empty_like(queries);
-        const at::Tensor tables = block_tables.to(at::kInt).contiguous();
-        int64_t block_shift = 0;
-        while ((int64_t(1) << block_shift) < k_cache.size(1)) block_shift++;
-        const int status = qrun_decode_attention(
-            kv_kind(k_cache.scalar_type()), queries.data_ptr<float>(), attended.data_ptr<float>(), k_cache.data_ptr(),
-            v_cache.data_ptr(), nullptr, nullptr, tables.data_ptr<int32_t>(), tables.size(1),
-            seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), rows, num_heads_, num_kv_heads_, dim,
-            block_shift, dim, float(scale_), at::get_num_threads());
-        TORCH_CHECK(status == 0, "DecodeLayer: qrun_decode_attention rejected the step (status ", status, ")");
+        static const auto attention = library_op<at::Tensor(
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const at::Tensor&, double, const Optional&, const Optional&)>("qrun::decode_attention");
+        const at::Tensor attended = attention.call(queries, k_cache, v_cache, block_tables, seq_lens,
+                                                   query_start_loc, scale_, std::nullopt, std::nullopt);
 
         const at::Tensor projected = linears_[1](attended.view({rows, num_heads_ * dim}).to(x.scalar_type()),
                                                  half_gemv).contiguous();

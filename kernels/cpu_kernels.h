@@ -1,6 +1,6 @@
 // The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp,
-// cpu_rotation.cpp), for the files that call them: cpu_ops.cpp (the torch ops) and cpu_decode_layer.cpp; their
-// Python modules document the arguments. And the bfloat16 rounding the kernels share.
+// cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the decode layer calls those); their Python
+// modules document the arguments. And the bfloat16 rounding the kernels share.
 
 #pragma once
 

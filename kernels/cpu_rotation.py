@@ -22,8 +22,12 @@ def rotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor
     if x.dtype not in (torch.float32, torch.bfloat16) or signs.dtype != torch.float32 or x.device.type != "cpu":
         return rotate(x, signs, factors)
     k = x.shape[-1]
-    if factors is None:
-        factors = rotation_factors(k, x.device)
-    odd = factors[0] if factors and factors[0].shape[0] % 2 == 1 else None
     rows = x.reshape(-1, k)
+    odd = odd_factor(factors if factors is not None else rotation_factors(k, x.device))
     return torch.ops.qrun.rotate(rows if rows.stride(-1) == 1 else rows.contiguous(), signs, odd).view(x.shape)
+
+
+def odd_factor(factors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The kernel's matrix among `rotation_factors`: the one for K's odd part (the outermost), or
+    None when K is a power of two (the kernel runs the rest as one Walsh-Hadamard transform)."""
+    return factors[0] if factors and factors[0].shape[0] % 2 == 1 else None

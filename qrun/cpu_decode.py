@@ -23,6 +23,7 @@ from torch import nn
 from qrun.cpu_linear import CpuDenseLinear
 from qrun.kernels import cpu_library
 from qrun.kernels.cpu_attention import HEAD_DIMS
+from qrun.kernels.cpu_rotation import odd_factor
 from qrun.kv_cache import KVCache, LayerKV
 from qrun.model import AttentionMetadata, DecoderLayer, Transformer
 from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear
@@ -41,15 +42,14 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
                 return None
             rotation = module.input_rotation
         module = module.cpu_matmul
-    signs, odd_factor = None, None
+    signs, odd = None, None
     if isinstance(rotation, InputRotation):
-        signs = rotation.signs
-        odd_factor = next((f for f in rotation.factors if f.shape[0] % 2 == 1), None)
+        signs, odd = rotation.signs, odd_factor(rotation.factors)
     if isinstance(module, CpuQuantMatmul):
         if module.planes is None:
             return None
         planes = module.planes if module.planes[4] is not None else module.planes[:4]
-        return (QUANT, list(planes), module.bias, module.perm, signs, odd_factor, module.out_features, module.group,
+        return (QUANT, list(planes), module.bias, module.perm, signs, odd, module.out_features, module.group,
                 module.k_high, module.input_digits)
     if signs is not None:
         return None  # dense linears are never rotated
