@@ -34,10 +34,12 @@ Systems (SYSTEM or SYSTEM@VARIANT):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -298,6 +300,36 @@ def gguf_decode_bytes(path: Path, context: int, kv_bytes_per_token: int) -> int:
     return total + context * kv_bytes_per_token
 
 
+# One decode step of a 4-token prompt, with llama.cpp's weight repacking (its default).
+_REPACK_PROBE = """
+import sys, llama_cpp as lc
+lc.llama_backend_init()
+model = lc.llama_model_load_from_file(sys.argv[1].encode(), lc.llama_model_default_params())
+params = lc.llama_context_default_params()
+params.n_ctx, params.n_threads, params.n_threads_batch = 64, 1, 1
+ctx = lc.llama_init_from_model(model, params)
+batch = lc.llama_batch_init(4, 0, 1)
+for i in range(4):
+    batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 1 + i, i, 1, i == 3
+    batch.seq_id[i][0] = 0
+batch.n_tokens = 4
+sys.exit(lc.llama_decode(ctx, batch))
+"""
+
+
+@functools.cache
+def llamacpp_repacks(path: Path) -> bool:
+    """Whether llama.cpp's weight repacking (its extra buffer types: AMX, AVX2 interleaving) runs
+    on `path` here. It is llama.cpp's default, but llama-cpp-python 0.3.36's AMX repack crashed the
+    process (SIGSEGV in the first decode) on a Xeon with AMX: probed in a child process, so a crash
+    costs the probe, not the benchmark."""
+    probe = subprocess.run([sys.executable, "-c", _REPACK_PROBE, str(path)], capture_output=True, timeout=300)
+    if probe.returncode != 0:
+        print(f"[llamacpp] {path.name}: llama.cpp crashed with weight repacking on this CPU (exit "
+              f"{probe.returncode}); running it without (llama.cpp's --no-repack)", file=sys.stderr)
+    return probe.returncode == 0
+
+
 class LlamaCppSystem:
     """llama.cpp through llama-cpp-python's low-level API: one `llama_batch` per step holding a
     decode token for every running sequence plus prompt chunks of newly admitted ones (the same
@@ -317,6 +349,8 @@ class LlamaCppSystem:
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = llamacpp_repacks(path)
         load = _first(llama_cpp, "llama_model_load_from_file", "llama_load_model_from_file")
         self.model = load(str(path).encode(), mparams)
         if not self.model:
