@@ -36,6 +36,7 @@ inline void store(void* y, int kind, int64_t i, float value) {
 
 constexpr int64_t MAX_ROWS = 4;
 constexpr int64_t CHANNELS = 4;  // weight rows streamed together
+constexpr int64_t PREFETCH = 1024;  // weights (2 KiB) ahead of the stream: 18.9 -> 21 GB/s on two Xeon cores
 
 // sums[c * ROWS + r] = W[c, :] . x[r, :] for the CHANNELS rows of W from w. Fixed counts, so the
 // accumulators stay in registers.
@@ -43,21 +44,33 @@ template <int64_t ROWS>
 void dot_channels(const uint16_t* w, int64_t k, const float* x, float* sums) {
     int64_t start = 0;
 #if defined(__AVX512F__)
-    __m512 acc[CHANNELS][ROWS];
+    // Independent sums per row (CHAINS of them, added at the end): with one, each multiply-add waits for the last
+    // (4 cycles), which capped a thread at ~20 GB/s of float16 weights in cache.
+    constexpr int64_t CHAINS = ROWS >= 4 ? 1 : 4 / ROWS, STEP = 16 * CHAINS;
+    __m512 acc[CHANNELS][ROWS][CHAINS];
     for (int64_t c = 0; c < CHANNELS; c++)
-        for (int64_t r = 0; r < ROWS; r++) acc[c][r] = _mm512_setzero_ps();
-    const int64_t body = k / 16 * 16;
+        for (int64_t r = 0; r < ROWS; r++)
+            for (int64_t u = 0; u < CHAINS; u++) acc[c][r][u] = _mm512_setzero_ps();
+    const int64_t body = k / STEP * STEP, tail = k / 16 * 16;
     for (int64_t c = 0; c < CHANNELS; c++) {  // one weight row at a time: one sequential stream per thread
         const uint16_t* row = w + c * k;
-        for (int64_t i = 0; i < body; i += 16) {
+        const auto fma16 = [&](int64_t i, int64_t u) {
+            _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH), _MM_HINT_T0);
             const __m512 weights = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
             for (int64_t r = 0; r < ROWS; r++)
-                acc[c][r] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * k + i), acc[c][r]);
-        }
+                acc[c][r][u] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * k + i), acc[c][r][u]);
+        };
+        for (int64_t i = 0; i < body; i += STEP)
+            for (int64_t u = 0; u < CHAINS; u++) fma16(i + 16 * u, u);
+        for (int64_t i = body; i < tail; i += 16) fma16(i, 0);
     }
     for (int64_t c = 0; c < CHANNELS; c++)
-        for (int64_t r = 0; r < ROWS; r++) sums[c * ROWS + r] = _mm512_reduce_add_ps(acc[c][r]);
-    start = body;
+        for (int64_t r = 0; r < ROWS; r++) {
+            __m512 total = acc[c][r][0];
+            for (int64_t u = 1; u < CHAINS; u++) total = _mm512_add_ps(total, acc[c][r][u]);
+            sums[c * ROWS + r] = _mm512_reduce_add_ps(total);
+        }
+    start = tail;
 #else
     for (int64_t c = 0; c < CHANNELS * ROWS; c++) sums[c] = 0.f;
 #endif
