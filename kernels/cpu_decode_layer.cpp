@@ -1,9 +1,9 @@
 // One decoder layer's decode step (every sequence computes one token) in one call: torch.classes.qrun.DecodeLayer.
 // Built at load from a qrun.model.DecoderLayer by qrun/cpu_decode.py, which documents why and what it covers.
 // The step is the eager layer's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
-// rotary and the cache write are a loop here; norms, SiLU and dense matmuls are torch's ops called from C++ (a
-// hand-written reduction or exp would round differently); the 4-bit matmul, the rotation and the attention are
-// the library's kernels, as in the eager layer.
+// rotary and the cache write are a loop here; SiLU and dense matmuls are torch's ops called from C++ (a hand-written
+// exp would round differently); the norms, the 4-bit matmul, the rotation and the attention are the library's
+// kernels, as in the eager layer.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -12,8 +12,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/sub.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
@@ -49,6 +50,14 @@ c10::TypedOperatorHandle<Signature> library_op(const char* name) {
 }
 
 using Optional = std::optional<at::Tensor>;
+
+// A layer's view of the paged cache (qrun/kv_cache.py's LayerKV); scales only for a quantized one.
+struct Cache {
+    const at::Tensor& k;
+    const at::Tensor& v;
+    const Optional& k_scales;
+    const Optional& v_scales;
+};
 
 struct Linear {
     int64_t kind = -1;
@@ -139,13 +148,22 @@ class DecodeLayer : public torch::CustomClassHolder {
                                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                                const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                               const Optional& k_scales, const Optional& v_scales,
                                                bool half_gemv) const {
+        const Cache cache{k_cache, v_cache, k_scales, v_scales};
         std::tuple<at::Tensor, at::Tensor> result;
         AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer", [&] {
             result = step<scalar_t>(x, residual, positions, cos_sin, slot_mapping, block_tables, seq_lens,
-                                    query_start_loc, k_cache, v_cache, half_gemv);
+                                    query_start_loc, cache, half_gemv);
         });
         return result;
+    }
+
+    // A quantized cache's transforms (qrun/kv_cache.py): keys centred on their layer's mean, then q, k and v
+    // rotated (the attention's output rotated back).
+    void set_cache_transforms(std::optional<at::Tensor> rotation, std::optional<at::Tensor> key_mean) {
+        rotation_ = std::move(rotation);
+        key_mean_ = std::move(key_mean);
     }
 
   private:
@@ -154,35 +172,94 @@ class DecodeLayer : public torch::CustomClassHolder {
                                             const at::Tensor& positions, const at::Tensor& cos_sin,
                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                            const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                            bool half_gemv) const {
+                                            const Cache& cache, bool half_gemv) const {
         const at::Tensor x = x_in.contiguous();
-        const int64_t rows = x.size(0), hidden = x.size(1), dim = head_dim_;
-        // torch's RMSNorm, not a loop here: its reduction order decides bfloat16 roundings, and greedy tokens
-        // must stay those of eager
-        at::Tensor residual = at::add(x, residual_in);
-        at::Tensor normed = at::rms_norm(residual, {hidden}, input_norm_, eps_);
+        const int64_t rows = x.size(0), dim = head_dim_;
+        auto [normed, residual] = add_rms_norm(x, residual_in.contiguous(), input_norm_);
 
         const at::Tensor qkv = linears_[0](normed, half_gemv).contiguous();
-        at::Tensor queries = at::empty({rows, num_heads_, dim}, x.options().dtype(at::kFloat));
-        write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, queries);
-
-        static const auto attention = library_op<at::Tensor(
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const at::Tensor&, double, const Optional&, const Optional&)>("qrun::decode_attention");
-        const at::Tensor attended = attention.call(queries, k_cache, v_cache, block_tables, seq_lens,
-                                                   query_start_loc, scale_, std::nullopt, std::nullopt);
-
-        const at::Tensor projected = linears_[1](attended.view({rows, num_heads_ * dim}).to(x.scalar_type()),
-                                                 half_gemv).contiguous();
-        residual = at::add(projected, residual);
-        normed = at::rms_norm(residual, {hidden}, post_attention_norm_, eps_);
+        const at::Tensor attended = cache.k_scales ? quantized_attention<T>(qkv, positions, cos_sin, slot_mapping,
+                                                                            block_tables, seq_lens, query_start_loc,
+                                                                            cache)
+                                                   : float_attention<T>(qkv, positions, cos_sin, slot_mapping,
+                                                                        block_tables, seq_lens, query_start_loc,
+                                                                        cache);
+        const at::Tensor projected = linears_[1](attended.view({rows, num_heads_ * dim}), half_gemv).contiguous();
+        std::tie(normed, residual) = add_rms_norm(projected, residual, post_attention_norm_);
 
         const at::Tensor gate_up = linears_[2](normed, half_gemv).contiguous();
         // torch's SiLU (its vectorised exp), as eager: a different exp moves float32 outputs by an ulp
         const int64_t inner = gate_up.size(1) / 2;
         const at::Tensor gated = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
         return {linears_[3](gated, half_gemv), residual};
+    }
+
+    at::Tensor attention(const at::Tensor& queries, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, const Cache& cache) const {  // kernels/cpu_attention.cpp
+        static const auto op = library_op<at::Tensor(
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+            const at::Tensor&, double, const Optional&, const Optional&)>("qrun::decode_attention");
+        return op.call(queries, cache.k, cache.v, block_tables, seq_lens, query_start_loc, scale_, cache.k_scales,
+                       cache.v_scales);
+    }
+
+    // A float cache: rotary and the cache write in one loop, the attention over it; its output in T.
+    template <typename T>
+    at::Tensor float_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                               const Cache& cache) const {
+        at::Tensor queries = at::empty({qkv.size(0), num_heads_, head_dim_}, qkv.options().dtype(at::kFloat));
+        write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, cache.k, cache.v, queries);
+        return attention(queries, block_tables, seq_lens, query_start_loc, cache).to(qkv.scalar_type());
+    }
+
+    // A quantized cache: the eager layer's ops in its order (qrun/model.py's Attention.heads), so the same bytes
+    // reach the cache: rotary rounded to T, the key mean off, the rotation, the quantizing store
+    // (kernels/cpu_kv_store.cpp), the attention over the quantized cache, its output rotated back.
+    template <typename T>
+    at::Tensor quantized_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                   const Cache& cache) const {
+        static const auto store = library_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                                                  const at::Tensor&, at::Tensor&, at::Tensor&)>(
+            "qrun::store_kv_quantized");
+        const int64_t rows = qkv.size(0), dim = head_dim_;
+        at::Tensor queries = at::empty({rows, num_heads_, dim}, qkv.options());
+        at::Tensor keys = at::empty({rows, num_kv_heads_, dim}, qkv.options());
+        at::Tensor values = qkv.narrow(1, (num_heads_ + num_kv_heads_) * dim, num_kv_heads_ * dim)
+                                .view({rows, num_kv_heads_, dim});
+        const int64_t* pos = positions.data_ptr<int64_t>();
+        const T* rows_in = qkv.data_ptr<T>();
+        for (int64_t r = 0; r < rows; r++) {
+            const float* cos = cos_sin.data_ptr<float>() + pos[r] * dim;
+            const T* row = rows_in + r * qkv.size(1);
+            for (int64_t h = 0; h < num_heads_; h++)
+                rotary(row + h * dim, cos, cos + dim / 2, dim, queries.data_ptr<T>() + (r * num_heads_ + h) * dim);
+            for (int64_t h = 0; h < num_kv_heads_; h++)
+                rotary(row + (num_heads_ + h) * dim, cos, cos + dim / 2, dim,
+                       keys.data_ptr<T>() + (r * num_kv_heads_ + h) * dim);
+        }
+        if (key_mean_) keys = at::sub(keys, *key_mean_);
+        if (rotation_) {
+            queries = at::matmul(queries, *rotation_);
+            keys = at::matmul(keys, *rotation_);
+            values = at::matmul(values, *rotation_);
+        }
+        at::Tensor k_cache = cache.k, v_cache = cache.v, k_scales = *cache.k_scales, v_scales = *cache.v_scales;
+        store.call(keys, values, k_cache, v_cache, slot_mapping, k_scales, v_scales);
+        const at::Tensor attended = attention(queries, block_tables, seq_lens, query_start_loc, cache)
+                                        .to(qkv.scalar_type());
+        return rotation_ ? at::matmul(attended, rotation_->t()) : attended;
+    }
+
+    // kernels/cpu_norm.cpp, as the eager layers' RMSNorm on the CPU: (normed, x + residual)
+    std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight) const {
+        static const auto op = library_op<std::tuple<at::Tensor, at::Tensor>(
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("qrun::add_rms_norm");
+        return op.call(x, residual, weight, eps_);
     }
 
     // Rotary on q and k; k and v into their cache slots (in the cache's dtype), q (rounded to T) into `queries`.
@@ -221,6 +298,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         });
     }
 
+    std::optional<at::Tensor> rotation_, key_mean_;
     at::Tensor input_norm_, post_attention_norm_;
     double eps_;
     int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -234,5 +312,6 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.class_<DecodeLayer>("DecodeLayer")
         .def(torch::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, double>())
         .def("set_linear", &DecodeLayer::set_linear)
+        .def("set_cache_transforms", &DecodeLayer::set_cache_transforms)
         .def("forward", &DecodeLayer::forward);
 }

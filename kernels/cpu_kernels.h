@@ -1,6 +1,6 @@
-// The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp,
-// cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the decode layer calls those); their Python
-// modules document the arguments. And the bfloat16 rounding the kernels share.
+// The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp,
+// cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the decode
+// layer calls those); their Python modules document the arguments. And the bfloat16 rounding the kernels share.
 
 #pragma once
 
@@ -33,3 +33,8 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
                                  int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
                               int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads);
+extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
+                             int64_t rows, int64_t hidden, float eps, int threads);
+extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,
+                                       int64_t heads, int64_t dim, int64_t group, int bits, uint8_t* k_cache,
+                                       uint8_t* v_cache, uint16_t* k_scales, uint16_t* v_scales);

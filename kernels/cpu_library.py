@@ -35,8 +35,9 @@ from qrun.atomic import atomic_path
 log = logging.getLogger("qrun")
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.cpp", "cpu_half_gemv.cpp", "cpu_int4.cpp", "cpu_quant_matmul.cpp",
-                             "cpu_rotation.cpp", "cpu_ops.cpp", "cpu_decode_layer.cpp"))
+                for name in ("cpu_attention.cpp", "cpu_half_gemv.cpp", "cpu_int4.cpp", "cpu_kv_store.cpp",
+                             "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_rotation.cpp", "cpu_ops.cpp",
+                             "cpu_decode_layer.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fopenmp", "-std=c++20", "-shared", "-fPIC",

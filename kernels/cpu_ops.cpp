@@ -1,7 +1,7 @@
 // The C++ CPU kernels as torch ops (torch.ops.qrun.*): one dispatch of a few microseconds from
 // eager code, and one call Inductor keeps inside a compiled graph. The kernels themselves
-// (cpu_attention.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp) are plain C++; their Python modules
-// document them.
+// (cpu_attention.cpp, cpu_int4.cpp, cpu_kv_store.cpp, cpu_norm.cpp, ...) are plain C++; their
+// Python modules document them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -164,6 +165,69 @@ at::Tensor half_gemv_shape(const at::Tensor& x, const at::Tensor& weight, const 
     return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
 }
 
+void store_kv_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, at::Tensor& k_scales, at::Tensor& v_scales) {
+    TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.size(2) == k.size(1),
+                "store_kv: keys and values must be [tokens, ", k_cache.size(2), " heads, dim], got ", k.sizes(),
+                " and ", v.sizes());
+    const int64_t dim = k.size(2), groups = k_scales.size(-2);
+    const int bits = k_cache.scalar_type() == at::kChar ? 8 : 4;
+    const bool laid_out = k_cache.is_contiguous() && v_cache.is_contiguous() && k_scales.is_contiguous() &&
+                          v_scales.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                          (k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kByte) &&
+                          k_cache.size(3) == dim * bits / 8 && k_scales.scalar_type() == at::kHalf &&
+                          k_scales.sizes() == v_scales.sizes() && groups > 0 && dim % groups == 0;
+    TORCH_CHECK(laid_out, "store_kv: not an int8/int4 cache with float16 scales of head_dim ", dim);
+    const at::Tensor keys = k.to(at::kFloat).contiguous(), values = v.to(at::kFloat).contiguous();
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const int status = qrun_store_kv_quantized(
+        keys.data_ptr<float>(), values.data_ptr<float>(), slots.data_ptr<int64_t>(), k.size(0), k.size(1), dim,
+        dim / groups, bits, static_cast<uint8_t*>(k_cache.data_ptr()), static_cast<uint8_t*>(v_cache.data_ptr()),
+        static_cast<uint16_t*>(k_scales.data_ptr()), static_cast<uint16_t*>(v_scales.data_ptr()));
+    TORCH_CHECK(status == 0, "store_kv: no kernel for groups of ", dim / groups, " at ", bits, " bits");
+}
+
+void store_kv_quantized_shape(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                              at::Tensor&, at::Tensor&) {}
+
+// One implementation for both ops; residual may be undefined (no add, no sum).
+std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                             double eps) {
+    const bool floats = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(floats && x.is_contiguous() && x.dim() >= 1, "rms_norm: x must be contiguous float32 or bfloat16, got ",
+                x.scalar_type(), " ", x.sizes());
+    const int64_t hidden = x.size(-1);
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == hidden,
+                "rms_norm: weight must be ", x.scalar_type(), " [", hidden, "], got ", weight.scalar_type(), " ",
+                weight.sizes());
+    TORCH_CHECK(!residual.defined() || (residual.scalar_type() == x.scalar_type() && residual.is_contiguous() &&
+                                        residual.sizes() == x.sizes()),
+                "rms_norm: residual must be contiguous ", x.scalar_type(), " ", x.sizes());
+    at::Tensor out = at::empty_like(x), sum = residual.defined() ? at::empty_like(x) : at::Tensor();
+    const int status = qrun_rms_norm(x.scalar_type() == at::kFloat ? 0 : 1, x.data_ptr(),
+                                     residual.defined() ? residual.data_ptr() : nullptr, weight.data_ptr(),
+                                     out.data_ptr(), residual.defined() ? sum.data_ptr() : nullptr,
+                                     hidden ? x.numel() / hidden : 0, hidden, float(eps), at::get_num_threads());
+    TORCH_CHECK(status == 0, "rms_norm: no kernel for ", x.scalar_type());
+    return {out, sum};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    return std::get<0>(norm_rows(x, at::Tensor(), weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+    return norm_rows(x, residual, weight, eps);
+}
+
+at::Tensor rms_norm_shape(const at::Tensor& x, const at::Tensor&, double) { return at::empty_like(x); }
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                                      double) {
+    return {at::empty_like(x), at::empty_like(x)};
+}
+
 at::Tensor rotate_shape(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&) {
     return at::empty_like(x);
 }
@@ -180,6 +244,10 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
     m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+    m.def("store_kv_quantized(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+          "Tensor(c!) k_scales, Tensor(d!) v_scales) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(qrun, CPU, m) {
@@ -188,6 +256,9 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("quant_matmul", &quant_matmul);
     m.impl("rotate", &rotate);
     m.impl("half_gemv", &half_gemv);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("store_kv_quantized", &store_kv_quantized);
 }
 
 TORCH_LIBRARY_IMPL(qrun, Meta, m) {
@@ -196,4 +267,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("quant_matmul", &quant_matmul_shape);
     m.impl("rotate", &rotate_shape);
     m.impl("half_gemv", &half_gemv_shape);
+    m.impl("rms_norm", &rms_norm_shape);
+    m.impl("add_rms_norm", &add_rms_norm_shape);
+    m.impl("store_kv_quantized", &store_kv_quantized_shape);
 }

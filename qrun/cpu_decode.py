@@ -3,14 +3,14 @@
 At one to a few sequences a decode step is bound by per-op overhead, not by the matmuls: eager, a
 SmolLM2 layer is ~50 torch ops (~0.7 ms a layer, 22 ms a step at batch 1, against a few ms of
 kernel time), and a `torch.compile`d layer was little faster (24 vs 28 ms a step in one run:
-Dynamo's guards and the graphs' Python wrappers). The C++ layer runs the eager layer's ops in its order, with the same kernels (the
-kernel table's CPU ones, torch's norms and dense matmuls called from C++), so its results are
-the torch layers' bit for bit (tested); a 4.0-bpw SmolLM2 step at batch 1 took 9 ms instead of
-22. Like exllamav2's C++ attention and MLP, it is built once at load from the layer's modules
-(`build_layer`) and holds their weights. It covers float KV caches, heads the C++ attention
-takes, dense linears and quantized ones on the VNNI kernel; an engine whose layers it does not
-all cover runs the compiled torch layer instead (`qrun/compiled_decode.py`). Steps with a
-prefill chunk run the torch layers.
+Dynamo's guards and the graphs' Python wrappers). The C++ layer runs the eager layer's ops in
+its order, with the same kernels (the kernel table's CPU ones, torch's SiLU and dense matmuls
+called from C++), so its results are the torch layers' bit for bit (tested); a 4.0-bpw SmolLM2
+step at batch 1 took 9 ms instead of 22. Like exllamav2's C++ attention and MLP, it is built
+once at load from the layer's modules (`build_layer`) and holds their weights. It covers float
+and quantized (int8, int4) KV caches, heads the C++ attention takes, dense linears and quantized
+ones on the VNNI kernel; an engine whose layers it does not all cover runs the compiled torch
+layer instead (`qrun/compiled_decode.py`). Steps with a prefill chunk run the torch layers.
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     """The C++ decode step of `layer` over `cache`, or None where it does not cover them."""
     attn, mlp = layer.self_attn, layer.mlp
     dtype = layer.input_layernorm.weight.dtype
+    cache_tensors = [t for t in (cache.k, cache.v, cache.k_scales, cache.v_scales) if t is not None]
     if (dtype not in (torch.float32, torch.bfloat16) or layer.post_attention_layernorm.weight.dtype != dtype
-            or attn.head_dim not in HEAD_DIMS or cache.k_scales is not None or cache.rotation is not None
-            or cache.k_mean is not None or attn.qkv_proj is None or mlp.gate_up_proj is None
-            or not (cache.k.is_contiguous() and cache.v.is_contiguous())):
+            or attn.head_dim not in HEAD_DIMS or attn.qkv_proj is None or mlp.gate_up_proj is None
+            or not all(t.is_contiguous() for t in cache_tensors)
+            or any(t is not None and t.dtype != dtype for t in (cache.rotation, cache.k_mean))):
         return None
     linears = [_linear(attn.qkv_proj, attn.qkv_input), _linear(attn.o_proj, nn.Identity()),
                _linear(mlp.gate_up_proj, mlp.gate_up_input), _linear(mlp.down_proj, nn.Identity())]
@@ -83,6 +84,7 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
                                             attn.head_dim, attn.scale)
     for slot, args in enumerate(linears):
         fused.set_linear(slot, *args)
+    fused.set_cache_transforms(cache.rotation, cache.k_mean)
     return fused
 
 
@@ -109,5 +111,5 @@ class DecodeLayers:
                           cos_sin: torch.Tensor, meta: AttentionMetadata, cache: LayerKV):
             return self.layers[id(layer)].forward(x, residual, positions, cos_sin, meta.slot_mapping,
                                                   meta.block_tables, meta.seq_lens, meta.query_start_loc, cache.k,
-                                                  cache.v, half_gemv)
+                                                  cache.v, cache.k_scales, cache.v_scales, half_gemv)
         return layer_forward

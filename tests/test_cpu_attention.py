@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qrun.kernels as kernels
-from qrun.kernels import cpu_attention, cpu_library
+from qrun.kernels import cpu_attention, cpu_library, cpu_norm
 from qrun.kernels.kv_quant import kv_group_size, quantize_kv_ref
 from qrun.kernels.paged_attention import paged_attention_ref
 
@@ -94,7 +94,8 @@ def test_the_cpu_table_runs_the_kernel_by_default_and_the_references_on_request(
     monkeypatch.delenv("QRUN_KERNELS", raising=False)
     ops = kernels.ops_for(cpu)
     assert ops.paged_attention is cpu_attention.paged_attention_cpu
-    assert ops.rms_norm is kernels.IMPLEMENTATIONS["rms_norm"]["torch"]
+    assert ops.rms_norm is cpu_norm.rms_norm_cpu
+    assert ops.apply_rotary is kernels.IMPLEMENTATIONS["apply_rotary"]["torch"]  # no C++ kernel: the reference
     monkeypatch.setenv("QRUN_KERNELS", "torch")
     assert kernels.ops_for(cpu).paged_attention is paged_attention_ref
 

@@ -35,13 +35,19 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
     ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g)
     positions = torch.tensor([n - 1 for n in lengths])
     with torch.inference_mode():
-        for layer in cache.layers:  # earlier tokens' keys and values
-            layer.k.normal_(generator=g)
-            layer.v.normal_(generator=g)
+        for tensor in cache.tensors():  # earlier tokens' keys and values (and their scales)
+            if tensor.dtype == torch.int8:
+                tensor.random_(-127, 128, generator=g)
+            elif tensor.dtype == torch.uint8:
+                tensor.random_(0, 256, generator=g)
+            elif tensor.dtype == torch.float16:
+                tensor.uniform_(0.01, 0.1, generator=g)
+            else:
+                tensor.normal_(generator=g)
         results = []
         for layer_forward in (None, runner.decode_layers.layer_forward(half_gemv)):
             hidden = model(ids, positions, meta, cache, layer_forward)
-            results.append((hidden, [t.clone() for layer in cache.layers for t in (layer.k, layer.v)]))
+            results.append((hidden, [t.clone() for t in cache.tensors()]))
     return results
 
 
@@ -78,20 +84,31 @@ def test_cpu_decode_layers_run_a_mixed_bit_model_as_the_torch_layers(tiny_llama6
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
-def test_a_quantized_kv_cache_keeps_the_torch_layers(tiny_llama64_dir, kv_cache_dtype):
-    assert engine(tiny_llama64_dir, kv_cache_dtype=kv_cache_dtype).engine.runner.decode_layers is None
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_cpu_decode_layers_store_and_read_a_quantized_cache_as_the_torch_layers(tiny_llama64_dir, kv_cache_dtype,
+                                                                                 dtype, batch):
+    """Keys centred and rotated, K and V quantized into the cache (same bytes, same scales)."""
+    llm = engine(tiny_llama64_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.decode_layers is not None
+    assert llm.engine.runner.kv_cache.layers[0].k_mean is not None
+    (torch_hidden, torch_cache), (cpp_hidden, cpp_cache) = decode_step_both_ways(llm, batch)
+    assert torch.equal(cpp_hidden, torch_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
 def test_heads_without_a_cpp_attention_keep_the_torch_layers(tiny_llama_dir):
     assert engine(tiny_llama_dir).engine.runner.decode_layers is None  # heads of 16
 
 
-def test_an_engine_on_cpu_decode_layers_generates_the_torch_layers_tokens(tiny_llama64_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
+def test_an_engine_on_cpu_decode_layers_generates_the_torch_layers_tokens(tiny_llama64_dir, monkeypatch,
+                                                                          kv_cache_dtype):
     """Prefill, chunked prefill and decode steps interleaved over many sequences."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (7,), generator=g)]
     params = [SamplingParams(max_tokens=3 + 4 * i, **GREEDY) for i in range(7)]
-    options = dict(dtype="bfloat16", max_num_batched_tokens=64)
+    options = dict(dtype="bfloat16", max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
     cpp = engine(tiny_llama64_dir, **options)
     got = [out.outputs[0].token_ids for out in cpp.generate(prompts, params, progress=False)]
     monkeypatch.setattr(DecodeLayers, "build", classmethod(lambda cls, model, kv_cache: None))

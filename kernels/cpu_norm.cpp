@@ -1,0 +1,79 @@
+// RMSNorm of rows, optionally after the residual add that precedes it: one pass per row (add, statistics, scale)
+// where torch makes one op of each. Rounds as torch's rms_norm (kernels/norm.py's reference): the sum to the rows'
+// dtype, then the scaled row once. Documented by kernels/cpu_norm.py.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+enum Kind { F32 = 0, BF16 = 1 };
+
+template <int KIND>
+inline float load(const void* row, int64_t i) {
+    if constexpr (KIND == F32) return static_cast<const float*>(row)[i];
+    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(row)[i]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+template <int KIND>
+inline float rounded(float value) {  // value as the dtype holds it
+    if constexpr (KIND == F32) return value;
+    const uint32_t bits = uint32_t(qrun_bfloat16_bits(value)) << 16;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+template <int KIND>
+inline void store(void* row, int64_t i, float value) {
+    if constexpr (KIND == F32)
+        static_cast<float*>(row)[i] = value;
+    else
+        static_cast<uint16_t*>(row)[i] = qrun_bfloat16_bits(value);
+}
+
+template <int KIND>
+void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out, void* sum, int64_t rows,
+                   int64_t hidden, float eps, int threads) {
+    const int64_t width = KIND == F32 ? 4 : 2;  // bytes per element
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * hidden >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const char* x_row = static_cast<const char*>(x) + r * hidden * width;
+        const char* res_row = residual ? static_cast<const char*>(residual) + r * hidden * width : nullptr;
+        char* sum_row = sum ? static_cast<char*>(sum) + r * hidden * width : nullptr;
+        char* out_row = static_cast<char*>(out) + r * hidden * width;
+        float squares = 0.f;
+        for (int64_t i = 0; i < hidden; i++) {
+            float value = load<KIND>(x_row, i);
+            if (res_row) {
+                value = rounded<KIND>(value + load<KIND>(res_row, i));
+                store<KIND>(sum_row, i, value);
+            }
+            squares += value * value;
+        }
+        const float inverse = 1.f / std::sqrt(squares / float(hidden) + eps);
+        const void* values = res_row ? static_cast<const void*>(sum_row) : static_cast<const void*>(x_row);
+        for (int64_t i = 0; i < hidden; i++)
+            store<KIND>(out_row, i, load<KIND>(values, i) * inverse * load<KIND>(weight, i));
+    }
+}
+
+}  // namespace
+
+// out [rows, hidden] = RMSNorm(x (+ residual)) * weight, all of one kind (0 float32, 1 bfloat16) and contiguous;
+// with a residual, sum = x + residual as well. 0: done; 1: an unknown kind.
+extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
+                             int64_t rows, int64_t hidden, float eps, int threads) {
+    if (kind == F32)
+        rms_norm_rows<F32>(x, residual, weight, out, sum, rows, hidden, eps, threads);
+    else if (kind == BF16)
+        rms_norm_rows<BF16>(x, residual, weight, out, sum, rows, hidden, eps, threads);
+    else
+        return 1;
+    return 0;
+}
