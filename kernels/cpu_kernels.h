@@ -38,3 +38,7 @@ extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, cons
 extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,
                                        int64_t heads, int64_t dim, int64_t group, int bits, uint8_t* k_cache,
                                        uint8_t* v_cache, uint16_t* k_scales, uint16_t* v_scales);
+extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
+                                      const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
+                                      const uint16_t* high_zeros, const int8_t* high_centers, int64_t n, int64_t k,
+                                      int64_t k_high, int64_t group, uint16_t* out, int64_t ldo, int threads);

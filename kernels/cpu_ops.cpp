@@ -121,6 +121,31 @@ at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::
     return at::empty_symint({x.sym_size(0), out_features}, x.options());
 }
 
+at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                             const at::Tensor& centers, int64_t group, int64_t out_features,
+                             const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
+                             const std::optional<at::Tensor>& high_zeros,
+                             const std::optional<at::Tensor>& high_centers, int64_t k_high) {
+    const int64_t k = out_features ? codes.numel() * 2 / out_features : 0;
+    const bool laid_out = codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() &&
+                          centers.is_contiguous() && centers.numel() * 32 == k &&
+                          (!high_codes || (high_codes->is_contiguous() && high_scales->is_contiguous() &&
+                                           high_zeros->is_contiguous() && high_centers->is_contiguous()));
+    TORCH_CHECK(laid_out, "dequantize_planes: packed weights do not match [", out_features, ", ", k, "]");
+    at::Tensor out = at::empty({out_features, k}, codes.options().dtype(at::kBFloat16));
+    const int status = qrun_dequantize_planes(
+        static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const uint16_t*>(scales.data_ptr()),
+        static_cast<const uint16_t*>(zeros.data_ptr()), static_cast<const int8_t*>(centers.data_ptr()),
+        high_codes ? static_cast<const uint8_t*>(high_codes->data_ptr()) : nullptr,
+        high_codes ? static_cast<const uint16_t*>(high_scales->data_ptr()) : nullptr,
+        high_codes ? static_cast<const uint16_t*>(high_zeros->data_ptr()) : nullptr,
+        high_codes ? static_cast<const int8_t*>(high_centers->data_ptr()) : nullptr, out_features, k, k_high, group,
+        static_cast<uint16_t*>(out.data_ptr()), k, at::get_num_threads());
+    TORCH_CHECK(status == 0, "dequantize_planes: cannot unpack a [", out_features, ", ", k, "] weight in groups of ",
+                group);
+    return out;
+}
+
 bool quant_matmul_available() { return qrun_quant_matmul_available() != 0; }
 
 // odd_factor: rotation.py's factor for K's odd part, or None where K is a power of two.
@@ -242,6 +267,9 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
           "int k_high, int input_digits) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
+    m.def("dequantize_planes(Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
+          "int out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
+          "int k_high) -> Tensor");
     m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -254,6 +282,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("dequantize_int4pack", &dequantize_int4pack);
     m.impl("quant_matmul", &quant_matmul);
+    m.impl("dequantize_planes", &dequantize_planes);
     m.impl("rotate", &rotate);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);

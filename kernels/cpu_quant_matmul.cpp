@@ -11,10 +11,14 @@
 //          w = (code - center) * scale + zero.
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+#include <omp.h>
 #define QRUN_HAS_VNNI 1
 #endif
 
@@ -178,6 +182,99 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
 
 }  // namespace
 #endif
+
+#ifdef QRUN_HAS_VNNI
+namespace {
+
+// The 32 weights of channel c in block b of one plane's tile (the layout at the top), float32, into out[0..32): as
+// cpu_quant_matmul.py's unpack, the product with the scale and the sum with the zero each rounded (no fused
+// multiply-add: the exact float weights the reference gives).
+void dequantize_block(const uint8_t* block_codes, int64_t c, float center, float scale, float zero, float* out) {
+    // channel c's 4 bytes of each slice s: inputs 8s + j (low nibbles) and 8s + 4 + j (high ones)
+    const __m128i bytes = _mm_setr_epi32(
+        *reinterpret_cast<const int32_t*>(block_codes + c * 4), *reinterpret_cast<const int32_t*>(block_codes + 64 + c * 4),
+        *reinterpret_cast<const int32_t*>(block_codes + 128 + c * 4),
+        *reinterpret_cast<const int32_t*>(block_codes + 192 + c * 4));
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15)), high = _mm_and_si128(_mm_srli_epi16(bytes, 4),
+                                                                                        _mm_set1_epi8(15));
+    const __m128i first = _mm_unpacklo_epi32(low, high), second = _mm_unpackhi_epi32(low, high);  // input order
+    const __m512 centre = _mm512_set1_ps(center), scales = _mm512_set1_ps(scale), zeros = _mm512_set1_ps(zero);
+    for (int half = 0; half < 2; half++) {
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(half ? second : first));
+        const __m512 product = _mm512_mul_ps(_mm512_sub_ps(codes, centre), scales);
+        _mm512_storeu_ps(out + 16 * half, _mm512_add_ps(product, zeros));
+    }
+}
+
+// 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (finite values).
+inline __m256i to_bfloat16(__m512 values) {
+    const __m512i bits = _mm512_castps_si512(values);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+struct Plane {
+    const uint8_t* codes;
+    const uint16_t* scales;
+    const uint16_t* zeros;
+    const int8_t* centers;
+    int64_t k;
+};
+
+inline float half_bits_to_float(uint16_t bits) {
+    _Float16 value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return float(value);
+}
+
+// Channel n's weights in group g of `plane` (groups of `group` inputs) into out[0..group).
+void dequantize_group(const Plane& plane, int64_t group, int64_t n, int64_t g, float* out) {
+    const int64_t tile = n / TILE_N, c = n % TILE_N, blocks = plane.k / BLOCK_K, per_group = group / BLOCK_K;
+    const int64_t at = (tile * (plane.k / group) + g) * TILE_N + c;
+    const float scale = half_bits_to_float(plane.scales[at]), zero = half_bits_to_float(plane.zeros[at]);
+    for (int64_t i = 0; i < per_group; i++) {
+        const int64_t b = g * per_group + i;
+        dequantize_block(plane.codes + (tile * blocks + b) * 4 * 64, c, float(plane.centers[b]), scale, zero,
+                         out + i * BLOCK_K);
+    }
+}
+
+}  // namespace
+#endif
+
+// out [n, k] bfloat16 (row stride ldo) = the weight the planes hold: the low digits' plane over all k inputs, plus
+// the high digits' over the first k_high (high_codes null: none), summed in float32 and rounded once.
+// 0: done; 1: shapes the layout does not cover; 2: no kernel in this build.
+extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
+                                      const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
+                                      const uint16_t* high_zeros, const int8_t* high_centers, int64_t n, int64_t k,
+                                      int64_t k_high, int64_t group, uint16_t* out, int64_t ldo, int threads) {
+#ifdef QRUN_HAS_VNNI
+    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
+        return 1;
+    const Plane low{codes, scales, zeros, centers, k}, high{high_codes, high_scales, high_zeros, high_centers, k_high};
+    std::vector<float> scratch(size_t(threads) * 2 * group);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < n; row++) {
+        float* values = scratch.data() + size_t(omp_get_thread_num()) * 2 * group;
+        float* upper = values + group;
+        for (int64_t g = 0; g < k / group; g++) {
+            dequantize_group(low, group, row, g, values);
+            if (high_codes && g * group < k_high) {
+                dequantize_group(high, group, row, g, upper);
+                for (int64_t i = 0; i < group; i++) values[i] += upper[i];
+            }
+            for (int64_t i = 0; i < group; i += 16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * ldo + g * group + i),
+                                    to_bfloat16(_mm512_loadu_ps(values + i)));
+        }
+    }
+    return 0;
+#else
+    return 2;
+#endif
+}
 
 // 1 where this build has the kernel (the CPU and compiler support AVX512-VNNI).
 extern "C" int qrun_quant_matmul_available() {

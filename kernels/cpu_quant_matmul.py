@@ -19,7 +19,12 @@ block of weights is loaded and unpacked once for up to 6 rows, and no sum is red
 lanes. In microbenchmarks on a 2-core AVX512 EPYC (noisy: +-20% between runs), a 3072 x 576
 matrix took 15-17 us at one row against ~60 us for torch's int4 kernel, and ~0.28 ms at 32 rows
 against ~0.8 ms; an earlier version of this kernel took 3.6 ms at 512 rows, 1.3x faster than a
-prepacked bfloat16 oneDNN matmul with no dequantization, so it serves every row count.
+prepacked bfloat16 oneDNN matmul with no dequantization, so there it serves every row count. On
+CPUs with AMX oneDNN's bfloat16 matmul is an order of magnitude faster than this kernel at many
+rows, so from `dequantize_rows()` bfloat16 rows on (prefill chunks) the weight is dequantized
+(`dequantize_planes`, the reference's float weights rounded once to bfloat16) and multiplied by
+oneDNN: that also skips the int8 rounding of the inputs (KL of a 4.0-bpw SmolLM2 to the dense
+model on brown k and j, 2,048 tokens each: 0.1625 against 0.1637).
 
 The inputs are rounded to one int8 digit per element (x ~ xscale * xq), or to two (x ~ xscale *
 (xq + xq' / 254): 15 bits, exact for bfloat16 inputs in practice) at twice the multiplications,
@@ -42,8 +47,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
-from qrun.kernels import cpu_library
+from qrun.kernels import cpu_int4, cpu_library
 
 TILE_N, BLOCK_K = 16, 32
 
@@ -108,11 +114,37 @@ def quant_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
+@functools.cache
+def dequantize_rows() -> int:
+    """From how many rows of bfloat16 inputs `quant_matmul` dequantizes the weight to bfloat16 and
+    lets oneDNN multiply (0: never). On CPUs with AMX oneDNN's bfloat16 matmul runs on the tile
+    unit: a 3072 x 576 weight at 512 rows took 0.85 ms there (plain weight, reordered per call)
+    against 14 ms for this kernel, and ~0.2 ms to dequantize (`dequantize_planes`); at 32 rows
+    0.16 + 0.2 ms against 0.3 ms (a Xeon with AMX, two cores, during another job). Without AMX
+    this kernel was the faster at every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
+    return cpu_int4.DEQUANTIZE_ROWS if torch.cpu._is_amx_tile_supported() else 0
+
+
+def dequantize_planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, centers: torch.Tensor,
+                      group: int, out_features: int, high_codes: torch.Tensor | None, high_scales: torch.Tensor | None,
+                      high_zeros: torch.Tensor | None, high_centers: torch.Tensor | None,
+                      k_high: int) -> torch.Tensor:
+    """bfloat16 [out_features, K]: the weight the planes hold (the low digits plus the high ones'
+    prefix, summed in float32 and rounded once), from the C++ kernel; `unpack` is its reference."""
+    return torch.ops.qrun.dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
+                                            high_scales, high_zeros, high_centers, k_high)
+
+
 def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  centers: torch.Tensor, group: int, out_features: int, high_codes: torch.Tensor | None,
                  high_scales: torch.Tensor | None, high_zeros: torch.Tensor | None, high_centers: torch.Tensor | None,
                  k_high: int, input_digits: int) -> torch.Tensor:
     """y [M, out_features] (x's dtype) = x W^T (+ x[:, :k_high] W_high^T), x rounded to
-    `input_digits` int8 digits (1 or 2): the C++ kernel."""
+    `input_digits` int8 digits (1 or 2): the C++ kernel; from `dequantize_rows()` bfloat16 rows on,
+    the weight dequantized to bfloat16 and multiplied by oneDNN (the C++ decode layer follows the
+    same rule)."""
+    if x.dtype == torch.bfloat16 and 0 < dequantize_rows() <= x.shape[0]:
+        return F.linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
+                                             high_scales, high_zeros, high_centers, k_high))
     return torch.ops.qrun.quant_matmul(x, codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
                                        high_zeros, high_centers, k_high, input_digits)

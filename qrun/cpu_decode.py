@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from qrun.cpu_linear import CpuDenseLinear
-from qrun.kernels import cpu_library
+from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.cpu_attention import HEAD_DIMS
 from qrun.kernels.cpu_rotation import odd_factor
 from qrun.kv_cache import KVCache, LayerKV
@@ -50,7 +50,7 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
             return None
         planes = module.planes if module.planes[4] is not None else module.planes[:4]
         return (QUANT, list(planes), module.bias, module.perm, signs, odd, module.out_features, module.group,
-                module.k_high, module.input_digits)
+                module.k_high, module.input_digits, cpu_quant_matmul.dequantize_rows())
     if signs is not None:
         return None  # dense linears are never rotated
     if isinstance(module, CpuDenseLinear):
@@ -59,9 +59,9 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
         if module.bias_f16 is not None:
             weights.append(module.bias_f16)
         return (HALF_GEMV_PACKED if packed else HALF_GEMV, weights, module.bias, None, None, None, module.out_features,
-                0, 0, 1)
+                0, 0, 1, 0)
     if type(module) is nn.Linear:
-        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1
+        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1, 0
     return None
 
 

@@ -90,3 +90,28 @@ def test_bfloat16_inputs_give_the_float_result_rounded_as_torch_rounds():
     got = cqm.quant_matmul(x, *low, 32, 48, None, None, None, None, 0, 1)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, cqm.quant_matmul(x.float(), *low, 32, 48, None, None, None, None, 0, 1).to(torch.bfloat16))
+
+
+@settings(max_examples=20, deadline=None)
+@given(weights())
+def test_dequantize_planes_gives_the_unpacked_weight_rounded_once(shape):
+    n, k, group, k_high, seed = shape
+    low, high = planes(n, k, group, k_high, seed)
+    expected = cqm.unpack(*low, group, n)
+    if k_high:
+        expected[:, :k_high] += cqm.unpack(*high, group, n)
+    assert torch.equal(cqm.dequantize_planes(*low, group, n, *high, k_high), expected.to(torch.bfloat16))
+
+
+def test_from_dequantize_rows_on_bfloat16_rows_multiply_the_dequantized_weight(monkeypatch):
+    """The choice made on CPUs with AMX (oneDNN's bfloat16 matmul on the tile unit), forced here."""
+    monkeypatch.setattr(cqm, "dequantize_rows", lambda: 4)
+    low, high = planes(32, 128, 64, 64, 3)
+    weight = cqm.dequantize_planes(*low, 64, 32, *high, 64)
+    x = torch.randn(6, 128).to(torch.bfloat16)
+    assert torch.equal(cqm.quant_matmul(x, *low, 64, 32, *high, 64, 1), torch.nn.functional.linear(x, weight))
+    few = x[:3]  # fewer rows, or float32 rows: the kernel
+    assert torch.equal(cqm.quant_matmul(few, *low, 64, 32, *high, 64, 1),
+                       torch.ops.qrun.quant_matmul(few, *low, 64, 32, *high, 64, 1))
+    assert torch.equal(cqm.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1),
+                       torch.ops.qrun.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1))
