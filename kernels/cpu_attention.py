@@ -49,8 +49,10 @@ def paged_attention_cpu(
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref`'s signature and result: decode rows through the C++ kernel, prefill
-    chunks through the reference (SDPA per chunk)."""
-    if not _kernel_takes(q, k_cache, v_cache, k_scales, v_scales):
+    chunks through the reference (SDPA per chunk); all through the reference where a gradient is
+    wanted."""
+    # the converter differentiates through the layers: the kernel has no backward
+    if not _kernel_takes(q, k_cache, v_cache, k_scales, v_scales) or (torch.is_grad_enabled() and q.requires_grad):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                    max_seq_len, scale, out, k_scales, v_scales)
     decoded = torch.ops.qrun.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
