@@ -3,7 +3,9 @@
 torch's CPU bfloat16 matmuls run on oneDNN (through ideep), which keeps a compiled kernel for
 every input shape it has seen, in two caches of 1,024 entries each by default: a server sees a
 new row count with almost every prefill, so they only grow (1,200 new shapes of SmolLM2's linears
-after a heap trim: +403 MiB; with both capped at 256 entries, +3 MiB once they are full).
+after a heap trim: +403 MiB; with both capped at 256 entries, +3 MiB once they are full; on a Xeon
+with AMX +465 and +46 MiB, the capped caches levelling off at ~100 MiB as their kernels for more
+rows are bigger).
 `bound_matmul_caches` caps both at MATMUL_SHAPE_CACHE, which still holds every decode batch
 size a step repeats.
 
