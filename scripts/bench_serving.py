@@ -618,17 +618,19 @@ def main(argv=None) -> int:
         print(f"[{spec}] loaded in {time.perf_counter() - t:.1f}s", flush=True)
     order = [s for s in args.systems if s in systems]
 
+    first_use: dict[str, float] = {}  # TTFT p50 of the warm-up: a fresh system's first requests
     if args.warmup:
         warm = requests[:args.warmup]
         warm = [BenchRequest(r.id, r.prompt, min(r.max_tokens, 8), r.prefix_id) for r in warm]
         for name in order:
             t = time.perf_counter()
             systems[name].ids = None
-            systems[name].run(warm)
+            first_use[name] = systems[name].run(warm)["ttft_p50_s"]
             systems[name].ids = None
             if hasattr(systems[name], "warm_up"):
                 systems[name].warm_up()
-            print(f"[{name}] warm-up ({len(warm)} requests) {time.perf_counter() - t:.1f}s", flush=True)
+            print(f"[{name}] warm-up ({len(warm)} requests) {time.perf_counter() - t:.1f}s, first-use TTFT p50 "
+                  f"{first_use[name]:.3f}s", flush=True)
 
     runs: dict[str, list[dict]] = {name: [] for name in order}
     single: dict[str, list[float]] = {name: [] for name in order}
@@ -664,6 +666,10 @@ def main(argv=None) -> int:
               f"alloc/ceil {base['kv_alloc_over_ceil']:.3f}) of {base['kv_blocks_total']} blocks")
     print()
     print(ratio_table(summary))
+    if first_use:
+        base_ttft = first_use[order[0]]
+        print(f"\nfirst use (the warm-up's {args.warmup} requests on a fresh system), TTFT p50 and x {order[0]}'s: "
+              + ", ".join(f"{name} {ttft:.3f}s ({ttft / base_ttft:.2f}x)" for name, ttft in first_use.items()))
     if stream:
         print()
         print(roofline_table(summary, systems, stream, args))
@@ -685,7 +691,7 @@ def main(argv=None) -> int:
     if args.json:
         payload = {"args": {k: v for k, v in vars(args).items()}, "workload": os.path.abspath(args.workload),
                    "torch_threads": torch.get_num_threads(), "summary": summary, "runs": runs, "single_stream": single,
-                   "skipped": skipped, "profile": profile}
+                   "first_use_ttft_p50_s": first_use, "skipped": skipped, "profile": profile}
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
         print(f"\nwrote {args.json}")
     for name in order:
