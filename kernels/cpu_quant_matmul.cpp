@@ -191,10 +191,8 @@ namespace {
 // multiply-add: the exact float weights the reference gives).
 void dequantize_block(const uint8_t* block_codes, int64_t c, float center, float scale, float zero, float* out) {
     // channel c's 4 bytes of each slice s: inputs 8s + j (low nibbles) and 8s + 4 + j (high ones)
-    const __m128i bytes = _mm_setr_epi32(
-        *reinterpret_cast<const int32_t*>(block_codes + c * 4), *reinterpret_cast<const int32_t*>(block_codes + 64 + c * 4),
-        *reinterpret_cast<const int32_t*>(block_codes + 128 + c * 4),
-        *reinterpret_cast<const int32_t*>(block_codes + 192 + c * 4));
+    const auto slice = [&](int s) { return *reinterpret_cast<const int32_t*>(block_codes + s * 64 + c * 4); };
+    const __m128i bytes = _mm_setr_epi32(slice(0), slice(1), slice(2), slice(3));
     const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15)), high = _mm_and_si128(_mm_srli_epi16(bytes, 4),
                                                                                         _mm_set1_epi8(15));
     const __m128i first = _mm_unpacklo_epi32(low, high), second = _mm_unpackhi_epi32(low, high);  // input order
