@@ -122,7 +122,8 @@ def dequantize_rows() -> int:
     against 14 ms for this kernel, and ~0.2 ms to dequantize (`dequantize_planes`); at 32 rows
     0.16 + 0.2 ms against 0.3 ms (a Xeon with AMX, two cores, during another job). Without AMX
     this kernel was the faster at every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
-    return cpu_int4.DEQUANTIZE_ROWS if torch.cpu._is_amx_tile_supported() else 0
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch: absent means unknown
+    return cpu_int4.DEQUANTIZE_ROWS if has_amx is not None and has_amx() else 0
 
 
 def dequantize_planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, centers: torch.Tensor,
