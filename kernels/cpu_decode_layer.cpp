@@ -20,6 +20,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -72,23 +73,17 @@ struct Linear {
         return op.call(x, *signs, odd_factor);
     }
 
-    // kernels/cpu_quant_matmul.py's quant_matmul (its C++ kernel, or oneDNN on the dequantized weight from
+    // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, or oneDNN on the dequantized weight from
     // dequantize_rows rows on), then the bias in x's dtype, as CpuQuantMatmul.forward adds it
     at::Tensor quant_matmul(const at::Tensor& x) const {
         static const auto op = library_op<at::Tensor(
             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-            c10::SymInt, const Optional&, const Optional&, const Optional&, const Optional&, int64_t, int64_t)>(
-            "qrun::quant_matmul");
-        static const auto dequantize = library_op<at::Tensor(
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-            const Optional&, const Optional&, const Optional&, const Optional&, int64_t)>("qrun::dequantize_planes");
+            c10::SymInt, const Optional&, const Optional&, const Optional&, const Optional&, int64_t, int64_t,
+            int64_t)>("qrun::quant_matmul");
         const auto high = [&](size_t i) { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; };
-        const at::Tensor y =
-            x.scalar_type() == at::kBFloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows
-                ? at::linear(x, dequantize.call(weights[0], weights[1], weights[2], weights[3], group, out_features,
-                                                high(0), high(1), high(2), high(3), k_high))
-                : op.call(x, weights[0], weights[1], weights[2], weights[3], group, c10::SymInt(out_features),
-                          high(0), high(1), high(2), high(3), k_high, input_digits);
+        const at::Tensor y = op.call(x, weights[0], weights[1], weights[2], weights[3], group,
+                                     c10::SymInt(out_features), high(0), high(1), high(2), high(3), k_high,
+                                     input_digits, dequantize_rows);
         return bias ? at::add(y, bias->to(x.scalar_type())) : y;
     }
 
@@ -239,17 +234,14 @@ class DecodeLayer : public torch::CustomClassHolder {
         at::Tensor keys = at::empty({rows, num_kv_heads_, dim}, qkv.options());
         at::Tensor values = qkv.narrow(1, (num_heads_ + num_kv_heads_) * dim, num_kv_heads_ * dim)
                                 .view({rows, num_kv_heads_, dim});
-        const int64_t* pos = positions.data_ptr<int64_t>();
-        const T* rows_in = qkv.data_ptr<T>();
-        for (int64_t r = 0; r < rows; r++) {
-            const float* cos = cos_sin.data_ptr<float>() + pos[r] * dim;
-            const T* row = rows_in + r * qkv.size(1);
-            for (int64_t h = 0; h < num_heads_; h++)
-                rotary(row + h * dim, cos, cos + dim / 2, dim, queries.data_ptr<T>() + (r * num_heads_ + h) * dim);
-            for (int64_t h = 0; h < num_kv_heads_; h++)
-                rotary(row + (num_heads_ + h) * dim, cos, cos + dim / 2, dim,
-                       keys.data_ptr<T>() + (r * num_kv_heads_ + h) * dim);
-        }
+        rotated_heads<T>(
+            qkv, positions, cos_sin,
+            [&](int64_t r, int64_t h, const T* q) {
+                std::copy(q, q + dim, queries.data_ptr<T>() + (r * num_heads_ + h) * dim);
+            },
+            [&](int64_t r, int64_t h, const T* k) {
+                std::copy(k, k + dim, keys.data_ptr<T>() + (r * num_kv_heads_ + h) * dim);
+            });
         if (key_mean_) keys = at::sub(keys, *key_mean_);
         if (rotation_) {
             queries = at::matmul(queries, *rotation_);
@@ -271,39 +263,51 @@ class DecodeLayer : public torch::CustomClassHolder {
         return op.call(x, residual, weight, eps_);
     }
 
+    // Rotary (rounded to T) of every row's query and key heads, each handed to query(row, head, rotated) or
+    // key(row, kv head, rotated).
+    template <typename T, typename Query, typename Key>
+    void rotated_heads(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, Query query,
+                       Key key) const {
+        const int64_t dim = head_dim_, width = qkv.size(1);
+        const int64_t* pos = positions.data_ptr<int64_t>();
+        std::vector<T> rotated(dim);
+        for (int64_t r = 0; r < qkv.size(0); r++) {
+            const T* row = qkv.data_ptr<T>() + r * width;
+            const float* cos = cos_sin.data_ptr<float>() + pos[r] * dim;
+            for (int64_t h = 0; h < num_heads_ + num_kv_heads_; h++) {
+                rotary(row + h * dim, cos, cos + dim / 2, dim, rotated.data());
+                if (h < num_heads_)
+                    query(r, h, rotated.data());
+                else
+                    key(r, h - num_heads_, rotated.data());
+            }
+        }
+    }
+
     // Rotary on q and k; k and v into their cache slots (in the cache's dtype), q (rounded to T) into `queries`.
     template <typename T>
     void write_keys_values(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                            const at::Tensor& slot_mapping, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            at::Tensor& queries) const {
-        const int64_t rows = qkv.size(0), dim = head_dim_, width = qkv.size(1);
-        const int64_t* pos = positions.data_ptr<int64_t>();
+        const int64_t dim = head_dim_, width = qkv.size(1);
         const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-        const float* table = cos_sin.data_ptr<float>();
-        std::vector<T> rotated(dim);
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_cache", [&] {
             scalar_t* k_out = k_cache.data_ptr<scalar_t>();
             scalar_t* v_out = v_cache.data_ptr<scalar_t>();
-            for (int64_t r = 0; r < rows; r++) {
-                const T* row = qkv.data_ptr<T>() + r * width;
-                const float* cos = table + pos[r] * dim;
-                const float* sin = cos + dim / 2;
-                float* q = queries.data_ptr<float>() + r * num_heads_ * dim;
-                for (int64_t h = 0; h < num_heads_; h++) {
-                    rotary(row + h * dim, cos, sin, dim, rotated.data());
-                    for (int64_t d = 0; d < dim; d++) q[h * dim + d] = float(rotated[d]);
-                }
-                const int64_t cache_row = slots[r] * num_kv_heads_ * dim;
-                const T* keys = row + num_heads_ * dim;
-                const T* values = keys + num_kv_heads_ * dim;
-                for (int64_t h = 0; h < num_kv_heads_; h++) {
-                    rotary(keys + h * dim, cos, sin, dim, rotated.data());
+            rotated_heads<T>(
+                qkv, positions, cos_sin,
+                [&](int64_t r, int64_t h, const T* q) {
+                    float* out = queries.data_ptr<float>() + (r * num_heads_ + h) * dim;
+                    for (int64_t d = 0; d < dim; d++) out[d] = float(q[d]);
+                },
+                [&](int64_t r, int64_t h, const T* k) {
+                    const int64_t at = (slots[r] * num_kv_heads_ + h) * dim;
+                    const T* v = qkv.data_ptr<T>() + r * width + (num_heads_ + num_kv_heads_ + h) * dim;
                     for (int64_t d = 0; d < dim; d++) {
-                        k_out[cache_row + h * dim + d] = scalar_t(float(rotated[d]));
-                        v_out[cache_row + h * dim + d] = scalar_t(float(values[h * dim + d]));
+                        k_out[at + d] = scalar_t(float(k[d]));
+                        v_out[at + d] = scalar_t(float(v[d]));
                     }
-                }
-            }
+                });
         });
     }
 

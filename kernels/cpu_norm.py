@@ -4,10 +4,10 @@ through `torch.ops.qrun.rms_norm` / `add_rms_norm`).
 torch's `rms_norm` on one decode row is several ops (upcast, square, mean, rsqrt, two products,
 casts), each a dispatch and an allocation: in a native profile of a batch-1 SmolLM2 decode step
 the norms took 10-15% of the step. The kernel adds the residual, sums the squares and scales in
-one pass, and rounds where the Triton kernel and Hugging Face's LlamaRMSNorm round (the sum and
-the normalised row to the rows' dtype, then the product with the weight). Its results differ
-from torch's composite in the last bit where the reduction order does, so the eager layers and
-the C++ decode layer both take it (the kernel table's `rms_norm` on the CPU), and stay equal.
+one pass, and rounds where torch's rms_norm (the reference) rounds: the sum to the rows' dtype,
+then the scaled row once. Its results differ from the reference in the last bit where the
+reduction order does, so the eager layers and the C++ decode layer both take it (the kernel
+table's `rms_norm` on the CPU), and stay equal.
 """
 
 from __future__ import annotations

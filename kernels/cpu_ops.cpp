@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -99,28 +100,6 @@ void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::
                 k, "] weight in groups of ", group, " (status ", status, ")");
 }
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
-                        const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
-                        const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
-                        int64_t k_high, int64_t input_digits) {
-    const at::Tensor rows = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
-    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat));
-    quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
-    if (high_codes.has_value())
-        quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
-                           true);
-    if (x.scalar_type() == at::kFloat) return y;
-    return x.scalar_type() == at::kBFloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
-}
-
-at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, int64_t, c10::SymInt out_features, const std::optional<at::Tensor>&,
-                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                              const std::optional<at::Tensor>&, int64_t, int64_t) {
-    return at::empty_symint({x.sym_size(0), out_features}, x.options());
-}
-
 at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                              const at::Tensor& centers, int64_t group, int64_t out_features,
                              const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
@@ -144,6 +123,32 @@ at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, 
     TORCH_CHECK(status == 0, "dequantize_planes: cannot unpack a [", out_features, ", ", k, "] weight in groups of ",
                 group);
     return out;
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
+                        const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
+                        const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
+                        int64_t k_high, int64_t input_digits, int64_t dequantize_rows) {
+    // from dequantize_rows bfloat16 rows on (0: never), oneDNN on the dequantized weight: kernels/cpu_quant_matmul.py
+    if (x.scalar_type() == at::kBFloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
+        return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
+                                               high_scales, high_zeros, high_centers, k_high));
+    const at::Tensor rows = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
+    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat));
+    quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
+    if (high_codes.has_value())
+        quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
+                           true);
+    if (x.scalar_type() == at::kFloat) return y;
+    return x.scalar_type() == at::kBFloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
+}
+
+at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, int64_t, c10::SymInt out_features, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t) {
+    return at::empty_symint({x.sym_size(0), out_features}, x.options());
 }
 
 bool quant_matmul_available() { return qrun_quant_matmul_available() != 0; }
@@ -265,7 +270,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
     m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
-          "int k_high, int input_digits) -> Tensor");
+          "int k_high, int input_digits, int dequantize_rows) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
     m.def("dequantize_planes(Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "int out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "

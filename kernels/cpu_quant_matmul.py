@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from qrun.kernels import cpu_int4, cpu_library
 
@@ -142,10 +141,7 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
                  k_high: int, input_digits: int) -> torch.Tensor:
     """y [M, out_features] (x's dtype) = x W^T (+ x[:, :k_high] W_high^T), x rounded to
     `input_digits` int8 digits (1 or 2): the C++ kernel; from `dequantize_rows()` bfloat16 rows on,
-    the weight dequantized to bfloat16 and multiplied by oneDNN (the C++ decode layer follows the
-    same rule)."""
-    if x.dtype == torch.bfloat16 and 0 < dequantize_rows() <= x.shape[0]:
-        return F.linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
-                                             high_scales, high_zeros, high_centers, k_high))
+    the weight dequantized to bfloat16 and multiplied by oneDNN (the op decides; the C++ decode
+    layer passes it the same threshold)."""
     return torch.ops.qrun.quant_matmul(x, codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
-                                       high_zeros, high_centers, k_high, input_digits)
+                                       high_zeros, high_centers, k_high, input_digits, dequantize_rows())

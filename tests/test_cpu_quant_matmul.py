@@ -112,6 +112,6 @@ def test_from_dequantize_rows_on_bfloat16_rows_multiply_the_dequantized_weight(m
     assert torch.equal(cqm.quant_matmul(x, *low, 64, 32, *high, 64, 1), torch.nn.functional.linear(x, weight))
     few = x[:3]  # fewer rows, or float32 rows: the kernel
     assert torch.equal(cqm.quant_matmul(few, *low, 64, 32, *high, 64, 1),
-                       torch.ops.qrun.quant_matmul(few, *low, 64, 32, *high, 64, 1))
+                       torch.ops.qrun.quant_matmul(few, *low, 64, 32, *high, 64, 1, 0))
     assert torch.equal(cqm.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1),
-                       torch.ops.qrun.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1))
+                       torch.ops.qrun.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1, 0))
