@@ -65,7 +65,7 @@ struct Linear {
     std::vector<at::Tensor> weights;
     std::optional<at::Tensor> bias, perm, signs, odd_factor;
     int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
-    int64_t dequantize_rows = 0;  // QUANT: from this many bfloat16 rows on, oneDNN on the dequantized weight
+    int64_t tile_rows = 0, dequantize_rows = 0;  // QUANT: the op's kernel choice by rows (cpu_quant_matmul.py)
 
     at::Tensor rotate(const at::Tensor& x) const {  // kernels/cpu_rotation.cpp
         static const auto op = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&)>(
@@ -73,17 +73,17 @@ struct Linear {
         return op.call(x, *signs, odd_factor);
     }
 
-    // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, or oneDNN on the dequantized weight from
-    // dequantize_rows rows on), then the bias in x's dtype, as CpuQuantMatmul.forward adds it
+    // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, the AMX one, or oneDNN on the dequantized
+    // weight, by the rows), then the bias in x's dtype, as CpuQuantMatmul.forward adds it
     at::Tensor quant_matmul(const at::Tensor& x) const {
         static const auto op = library_op<at::Tensor(
             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
             c10::SymInt, const Optional&, const Optional&, const Optional&, const Optional&, int64_t, int64_t,
-            int64_t)>("qrun::quant_matmul");
+            int64_t, int64_t)>("qrun::quant_matmul");
         const auto high = [&](size_t i) { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; };
         const at::Tensor y = op.call(x, weights[0], weights[1], weights[2], weights[3], group,
                                      c10::SymInt(out_features), high(0), high(1), high(2), high(3), k_high,
-                                     input_digits, dequantize_rows);
+                                     input_digits, tile_rows, dequantize_rows);
         return bias ? at::add(y, bias->to(x.scalar_type())) : y;
     }
 
@@ -139,12 +139,13 @@ class DecodeLayer : public torch::CustomClassHolder {
     // slot: 0 q/k/v (fused), 1 o, 2 gate/up (fused), 3 down.
     void set_linear(int64_t slot, int64_t kind, std::vector<at::Tensor> weights, std::optional<at::Tensor> bias,
                     std::optional<at::Tensor> perm, std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
-                    int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
+                    int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits, int64_t tile_rows,
                     int64_t dequantize_rows) {
         TORCH_CHECK(slot >= 0 && slot < 4 && kind >= QUANT && kind <= HALF_GEMV_PACKED,
                     "DecodeLayer.set_linear: slot ", slot, " kind ", kind);
         linears_[slot] = Linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
-                                std::move(odd_factor), out_features, group, k_high, input_digits, dequantize_rows};
+                                std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
+                                dequantize_rows};
     }
 
     std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual,

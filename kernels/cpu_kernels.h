@@ -1,5 +1,5 @@
 // The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp,
-// cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the decode
+// cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the decode
 // layer calls those); their Python modules document the arguments. And the bfloat16 rounding the kernels share.
 
 #pragma once
@@ -42,3 +42,9 @@ extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scal
                                       const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
                                       const uint16_t* high_zeros, const int8_t* high_centers, int64_t n, int64_t k,
                                       int64_t k_high, int64_t group, uint16_t* out, int64_t ldo, int threads);
+extern "C" int qrun_quant_matmul_tiles_available();
+extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
+                                       const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
+                                       const uint16_t* high_scales, const uint16_t* high_zeros,
+                                       const int8_t* high_centers, int64_t k_high, float* y, int64_t ldy, int64_t rows,
+                                       int64_t n, int64_t k, int64_t group, int threads);

@@ -1,17 +1,18 @@
 """The C++ kernels for CPUs, built into one library of torch ops at first use.
 
-The kernels (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_quant_matmul.cpp,
-cpu_rotation.cpp) are plain C++; cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and Meta implementations), so
-eager code reaches them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes
-call it replaces took ~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps
-each as one call. cpu_decode_layer.cpp is a decoder layer's decode step as one object calling
-them (`torch.classes.qrun.DecodeLayer`, qrun/cpu_decode.py). Built with the machine's C++
-compiler (the names Inductor looks for) for this CPU (-march=native) against the running
-torch's headers, and cached under qrun's cache folder keyed by the sources, flags, compiler,
-torch and CPU: ~25 s once. It links the OpenMP runtime torch has loaded (same soname), so its parallel loops run on
-torch's threads rather than on a second pool fighting them for the cores. Floating point is
-IEEE apart from reassociation (vectorised sums): no -ffast-math, whose startup code would
-switch the whole process to flush-to-zero.
+The kernels (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp, cpu_norm.cpp,
+cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp) are plain C++; cpu_ops.cpp
+registers them as `torch.ops.qrun.*` (schema, CPU and Meta implementations), so eager code reaches
+them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes call it replaces took
+~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps each as one call.
+cpu_decode_layer.cpp is a decoder layer's decode step as one object calling them
+(`torch.classes.qrun.DecodeLayer`, qrun/cpu_decode.py). Built with the machine's C++ compiler (the
+names Inductor looks for) for this CPU (-march=native) against the running torch's headers, and
+cached under qrun's cache folder keyed by the sources, flags, compiler, torch and CPU: ~25 s once.
+It links the OpenMP runtime torch has loaded (same soname), so its parallel loops run on torch's
+threads rather than on a second pool fighting them for the cores. Floating point is IEEE apart from
+reassociation (vectorised sums): no -ffast-math, whose startup code would switch the whole process
+to flush-to-zero.
 
 Where there is no compiler or the build fails, `available()` is False (with a warning saying
 why) and the kernel table keeps the torch references (`qrun.kernels.ops_for`).
@@ -36,8 +37,8 @@ log = logging.getLogger("qrun")
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.cpp", "cpu_half_gemv.cpp", "cpu_int4.cpp", "cpu_kv_store.cpp",
-                             "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_rotation.cpp", "cpu_ops.cpp",
-                             "cpu_decode_layer.cpp"))
+                             "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp", "cpu_rotation.cpp",
+                             "cpu_ops.cpp", "cpu_decode_layer.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fopenmp", "-std=c++20", "-shared", "-fPIC",

@@ -125,33 +125,73 @@ at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, 
     return out;
 }
 
+// y (float32) = x W^T (+ x[:, :k_high] W_high^T) on AMX tiles, x bfloat16.
+at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
+                              const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
+                              const std::optional<at::Tensor>& high_zeros,
+                              const std::optional<at::Tensor>& high_centers, int64_t k_high) {
+    const int64_t k = x.size(1);
+    const auto laid_out = [&](const at::Tensor& c, const at::Tensor& s, const at::Tensor& z, const at::Tensor& m,
+                              int64_t inputs) {
+        return c.is_contiguous() && s.is_contiguous() && z.is_contiguous() && m.is_contiguous() &&
+               c.numel() * 2 == out_features * inputs && m.numel() * 32 == inputs;
+    };
+    TORCH_CHECK(x.stride(1) == 1 && laid_out(codes, scales, zeros, centers, k) &&
+                    (!high_codes || laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, k_high)),
+                "quant_matmul: packed weights do not match [", out_features, ", ", k, "]");
+    at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+    const auto bytes = [](const std::optional<at::Tensor>& t) {
+        return t ? static_cast<const uint8_t*>(t->data_ptr()) : nullptr;
+    };
+    const auto halves = [](const std::optional<at::Tensor>& t) {
+        return t ? static_cast<const uint16_t*>(t->data_ptr()) : nullptr;
+    };
+    const int status = qrun_quant_matmul_tiles(
+        static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
+        static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
+        static_cast<const int8_t*>(centers.data_ptr()), bytes(high_codes), halves(high_scales), halves(high_zeros),
+        reinterpret_cast<const int8_t*>(bytes(high_centers)), k_high, y.data_ptr<float>(), y.stride(0), x.size(0),
+        out_features, k, group, at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_quant_matmul_tiles cannot multiply [", x.size(0), ", ", k, "] by a [",
+                out_features, ", ", k, "] weight in groups of ", group, " (status ", status, ")");
+    return y;
+}
+
+// Which kernel multiplies: kernels/cpu_quant_matmul.py (row_paths). bfloat16 rows: from dequantize_rows rows on
+// (0: never) oneDNN on the dequantized weight, from tile_rows on (0: never) the AMX kernel; else the VNNI kernel.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
                         const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
-                        int64_t k_high, int64_t input_digits, int64_t dequantize_rows) {
-    // from dequantize_rows bfloat16 rows on (0: never), oneDNN on the dequantized weight: kernels/cpu_quant_matmul.py
-    if (x.scalar_type() == at::kBFloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
+                        int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t dequantize_rows) {
+    const bool bfloat16 = x.scalar_type() == at::kBFloat16;
+    if (bfloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
         return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
                                                high_scales, high_zeros, high_centers, k_high));
-    const at::Tensor rows = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
+    if (bfloat16 && tile_rows > 0 && x.size(0) >= tile_rows)
+        return to_bfloat16(quant_matmul_tiles(x.contiguous(), codes, scales, zeros, centers, group, out_features,
+                                              high_codes, high_scales, high_zeros, high_centers, k_high));
+    const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
     at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat));
     quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
     if (high_codes.has_value())
         quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
                            true);
     if (x.scalar_type() == at::kFloat) return y;
-    return x.scalar_type() == at::kBFloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
+    return bfloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
 }
 
 at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, int64_t, c10::SymInt out_features, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t) {
+                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t) {
     return at::empty_symint({x.sym_size(0), out_features}, x.options());
 }
 
 bool quant_matmul_available() { return qrun_quant_matmul_available() != 0; }
+
+bool quant_matmul_tiles_available() { return qrun_quant_matmul_tiles_available() != 0; }
 
 // odd_factor: rotation.py's factor for K's odd part, or None where K is a power of two.
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor) {
@@ -270,8 +310,9 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
     m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
-          "int k_high, int input_digits, int dequantize_rows) -> Tensor");
+          "int k_high, int input_digits, int tile_rows, int dequantize_rows) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
+    m.def("quant_matmul_tiles_available() -> bool", &quant_matmul_tiles_available);
     m.def("dequantize_planes(Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "int out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
           "int k_high) -> Tensor");

@@ -1,5 +1,5 @@
-"""4-bit weight matmuls on x86 CPUs with AVX512-VNNI (cpu_quant_matmul.cpp), and their torch
-reference.
+"""4-bit weight matmuls on x86 CPUs with AVX512-VNNI (cpu_quant_matmul.cpp) or AMX
+(cpu_quant_matmul_amx.cpp), and their torch reference.
 
 torch's int4 CPU kernel (`aten._weight_int4pack_mm_for_cpu`) converts every weight to float and
 multiplies in float32: at one row it reads ~11 GB/s, and its cost grows with the rows (a
@@ -20,12 +20,16 @@ lanes. In microbenchmarks on a 2-core AVX512 EPYC (noisy: +-20% between runs), a
 matrix took 15-17 us at one row against ~60 us for torch's int4 kernel, and ~0.28 ms at 32 rows
 against ~0.8 ms; an earlier version of this kernel took 3.6 ms at 512 rows, 1.3x faster than a
 prepacked bfloat16 oneDNN matmul with no dequantization, so there it serves every row count. On
-CPUs with AMX oneDNN's bfloat16 matmul is an order of magnitude faster than this kernel at many
-rows, so from `dequantize_rows()` bfloat16 rows on (prefill chunks) the weight is dequantized
+CPUs with AMX (AMX-BF16) the tile unit multiplies bfloat16 rows from `tile_rows()` rows on
+(cpu_quant_matmul_amx.cpp): the codes enter the tiles exactly (bfloat16 0x43cc is 128 + cc, two
+byte shuffles from the packed nibbles, no float math per weight), x unrounded, each group summed in
+float32 and scaled after, so its only rounding is float32 summation's (`quant_matmul_ref` within
+1e-6 relative before the output's rounding). SmolLM2's 3072 x 576 at 32 rows: 0.13 ms against the
+VNNI kernel's 0.33 (and oneDNN's 0.2 for the dense bfloat16 weight). Its per-group scaling grows
+with the rows, so from `dequantize_rows()` rows on (prefill chunks) the weight is dequantized
 (`dequantize_planes`, the reference's float weights rounded once to bfloat16) and multiplied by
-oneDNN: that also skips the int8 rounding of the inputs (`qrun ppl` KL of a 4.0-bpw SmolLM2 to
-the dense model on brown k and j, 2,048 tokens each, on a Xeon with AMX: 0.1625, and 0.1637 with
-`dequantize_rows` patched to 0 in a one-off run).
+oneDNN (`qrun ppl` KL of a 4.0-bpw SmolLM2 to the dense model on brown k and j, 2,048 tokens each,
+on a Xeon with AMX: 0.1625, and 0.1637 with every row on the VNNI kernel in a one-off run).
 
 The inputs are rounded to one int8 digit per element (x ~ xscale * xq), or to two (x ~ xscale *
 (xq + xq' / 254): 15 bits, exact for bfloat16 inputs in practice) at twice the multiplications,
@@ -52,6 +56,7 @@ import torch
 from qrun.kernels import cpu_int4, cpu_library
 
 TILE_N, BLOCK_K = 16, 32
+TILE_ROWS, TILED_DEQUANTIZE_ROWS = 4, 256  # tile_rows(), dequantize_rows()
 
 
 @functools.cache
@@ -114,16 +119,33 @@ def quant_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
+def _has_amx() -> bool:
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch: absent means unknown
+    return has_amx is not None and has_amx()
+
+
+@functools.cache
+def tile_rows() -> int:
+    """From how many rows of bfloat16 inputs `quant_matmul` runs the AMX kernel (0: never; it needs
+    AMX-BF16 and the OS's consent). On a 2-core Xeon with AMX (SmolLM2's shapes, microbenchmark):
+    3072 x 576 in groups of 96 took 26 / 43 us at 1 row (VNNI / AMX), 54 / 39 at 4, 173 / 71 at 16
+    and 328 / 130 at 32; one row stays on the VNNI kernel, which reads the codes once and multiplies
+    them with fewer instructions."""
+    return TILE_ROWS if cpu_library.available() and torch.ops.qrun.quant_matmul_tiles_available() else 0
+
+
 @functools.cache
 def dequantize_rows() -> int:
     """From how many rows of bfloat16 inputs `quant_matmul` dequantizes the weight to bfloat16 and
     lets oneDNN multiply (0: never). On CPUs with AMX oneDNN's bfloat16 matmul runs on the tile
-    unit: a 3072 x 576 weight at 512 rows took 0.85 ms there (plain weight, reordered per call)
-    against 14 ms for this kernel, and ~0.2 ms to dequantize (`dequantize_planes`); at 32 rows
-    0.16 + 0.2 ms against 0.3 ms (a Xeon with AMX, two cores, during another job). Without AMX
-    this kernel was the faster at every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
-    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch: absent means unknown
-    return cpu_int4.DEQUANTIZE_ROWS if has_amx is not None and has_amx() else 0
+    unit; against the AMX kernel, whose per-group scaling costs more with the rows, it wins from
+    ~256 rows (3072 x 576 at 256 rows: 0.87 ms with the dequantization against 1.07 ms; 576 x 1536
+    0.58 against 0.38); against the VNNI kernel from far fewer (at 512 rows 0.85 + ~0.2 ms against
+    14 ms). Without AMX the VNNI kernel was the faster at every row count (1.3x oneDNN at 512 rows
+    on an AVX512-BF16 EPYC)."""
+    if not _has_amx():
+        return 0
+    return TILED_DEQUANTIZE_ROWS if tile_rows() else cpu_int4.DEQUANTIZE_ROWS
 
 
 def dequantize_planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, centers: torch.Tensor,
@@ -140,9 +162,9 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
                  centers: torch.Tensor, group: int, out_features: int, high_codes: torch.Tensor | None,
                  high_scales: torch.Tensor | None, high_zeros: torch.Tensor | None, high_centers: torch.Tensor | None,
                  k_high: int, input_digits: int) -> torch.Tensor:
-    """y [M, out_features] (x's dtype) = x W^T (+ x[:, :k_high] W_high^T), x rounded to
-    `input_digits` int8 digits (1 or 2): the C++ kernel; from `dequantize_rows()` bfloat16 rows on,
-    the weight dequantized to bfloat16 and multiplied by oneDNN (the op decides; the C++ decode
-    layer passes it the same threshold)."""
+    """y [M, out_features] (x's dtype) = x W^T (+ x[:, :k_high] W_high^T): the VNNI kernel with x
+    rounded to `input_digits` int8 digits (1 or 2); bfloat16 rows from `tile_rows()` rows on the
+    AMX kernel (x as it is), from `dequantize_rows()` on oneDNN on the dequantized weight (the op
+    decides; the C++ decode layer passes it the same thresholds)."""
     return torch.ops.qrun.quant_matmul(x, codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
-                                       high_zeros, high_centers, k_high, input_digits, dequantize_rows())
+                                       high_zeros, high_centers, k_high, input_digits, tile_rows(), dequantize_rows())

@@ -1,6 +1,7 @@
-"""The VNNI int4 matmul (kernels/cpu_quant_matmul.cpp) against its torch reference: packing is
-lossless, the product is the reference's within int8 input rounding, and each row's result does
-not depend on the other rows (batched = sequential)."""
+"""The 4-bit matmuls (kernels/cpu_quant_matmul.cpp, VNNI; cpu_quant_matmul_amx.cpp, AMX) against
+their torch reference: packing is lossless, the product is the reference's within the input
+rounding, each kernel computes a row as if it were alone (batched = sequential), and the op picks
+its kernel by the rows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from hypothesis import given, settings, strategies as st
 from qrun.kernels import cpu_quant_matmul as cqm
 
 pytestmark = pytest.mark.skipif(not cqm.available(), reason="no AVX512-VNNI kernel on this machine")
+needs_tiles = pytest.mark.skipif(not cqm.tile_rows(), reason="no AMX kernel on this machine")
+
+
+def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0):
+    """The op with its kernel chosen here rather than by the machine."""
+    return torch.ops.qrun.quant_matmul(x, *low, group, n, *high, k_high, digits, tile_rows, dequantize_rows)
 
 
 @st.composite
@@ -48,15 +55,31 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
     assert ((got - ref).norm() / ref.norm()) < (3e-2 if digits == 1 else 1e-4)
 
 
+@pytest.mark.parametrize("tile_rows", [0, pytest.param(1, marks=needs_tiles)], ids=["vnni", "amx"])
 @settings(max_examples=20, deadline=None)
-@given(weights(), st.integers(2, 20), st.sampled_from([1, 2]))
-def test_each_row_is_computed_as_if_alone(shape, rows, digits):
+@given(weights(), st.integers(2, 70), st.sampled_from([1, 2]))
+def test_each_kernel_computes_a_row_as_if_alone(tile_rows, shape, rows, digits):
+    """VNNI: rows in groups of 6; AMX: rows 1-16, 17-32 and a zero-padded copy of those past the last 32."""
     n, k, group, k_high, seed = shape
     low, high = planes(n, k, group, k_high, seed)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    batched = cqm.quant_matmul(x, *low, group, n, *high, k_high, digits)
+    batched = op(x, low, group, n, high, k_high, digits, tile_rows)
     for i in range(rows):
-        assert torch.equal(batched[i:i + 1], cqm.quant_matmul(x[i:i + 1], *low, group, n, *high, k_high, digits))
+        assert torch.equal(batched[i:i + 1], op(x[i:i + 1], low, group, n, high, k_high, digits, tile_rows))
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(weights(), st.integers(1, 70))
+def test_tile_kernel_matches_the_reference_within_bfloat16_output_rounding(shape, rows):
+    """x enters the tiles unrounded and the codes exactly: only float32 sums and the output's rounding."""
+    n, k, group, k_high, seed = shape
+    low, high = planes(n, k, group, k_high, seed)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    got = op(x, low, group, n, high, k_high, tile_rows=1)
+    ref = cqm.quant_matmul_ref(x.float(), *low, group, n, *high, k_high, 1)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
 
 
 @settings(deadline=None)
@@ -85,11 +108,11 @@ def test_layout_limits():
 
 
 def test_bfloat16_inputs_give_the_float_result_rounded_as_torch_rounds():
-    low, _ = planes(48, 96, 32, 0, 3)
+    low, high = planes(48, 96, 32, 0, 3)
     x = torch.randn(5, 96).to(torch.bfloat16)
-    got = cqm.quant_matmul(x, *low, 32, 48, None, None, None, None, 0, 1)
+    got = op(x, low, 32, 48, high, 0)
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, cqm.quant_matmul(x.float(), *low, 32, 48, None, None, None, None, 0, 1).to(torch.bfloat16))
+    assert torch.equal(got, op(x.float(), low, 32, 48, high, 0).to(torch.bfloat16))
 
 
 @settings(max_examples=20, deadline=None)
@@ -103,15 +126,17 @@ def test_dequantize_planes_gives_the_unpacked_weight_rounded_once(shape):
     assert torch.equal(cqm.dequantize_planes(*low, group, n, *high, k_high), expected.to(torch.bfloat16))
 
 
-def test_from_dequantize_rows_on_bfloat16_rows_multiply_the_dequantized_weight(monkeypatch):
-    """The choice made on CPUs with AMX (oneDNN's bfloat16 matmul on the tile unit), forced here."""
+@needs_tiles
+def test_the_op_picks_its_kernel_by_the_rows(monkeypatch):
+    """bfloat16 rows: the VNNI kernel, from tile_rows() rows on the AMX kernel, from dequantize_rows()
+    on oneDNN with the dequantized weight; float32 rows: the VNNI kernel (thresholds forced here)."""
+    monkeypatch.setattr(cqm, "tile_rows", lambda: 2)
     monkeypatch.setattr(cqm, "dequantize_rows", lambda: 4)
     low, high = planes(32, 128, 64, 64, 3)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    assert torch.equal(cqm.quant_matmul(x[:1], *low, 64, 32, *high, 64, 1), op(x[:1], low, 64, 32, high, 64))
+    assert torch.equal(cqm.quant_matmul(x[:3], *low, 64, 32, *high, 64, 1),
+                       op(x[:3], low, 64, 32, high, 64, tile_rows=1))
     weight = cqm.dequantize_planes(*low, 64, 32, *high, 64)
-    x = torch.randn(6, 128).to(torch.bfloat16)
     assert torch.equal(cqm.quant_matmul(x, *low, 64, 32, *high, 64, 1), torch.nn.functional.linear(x, weight))
-    few = x[:3]  # fewer rows, or float32 rows: the kernel
-    assert torch.equal(cqm.quant_matmul(few, *low, 64, 32, *high, 64, 1),
-                       torch.ops.qrun.quant_matmul(few, *low, 64, 32, *high, 64, 1, 0))
-    assert torch.equal(cqm.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1),
-                       torch.ops.qrun.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1, 0))
+    assert torch.equal(cqm.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1), op(x.float(), low, 64, 32, high, 64))
