@@ -2,9 +2,9 @@
 // its cached keys and values, read in place from the cache blocks in their stored dtype.
 // Built and loaded by kernels/cpu_attention.py, which documents the layout and the reasons.
 //
-// Work is split over (sequence, KV head) pairs; each pair's G = Hq / Hkv query heads share one
-// pass over the keys (scores) and one over the values (weighted sum), in float32. head_dim is a
-// template parameter for the common sizes, so the compiler unrolls and vectorises the row loops.
+// Work is split over chunks of each decode row's tokens (all KV heads); per chunk, each query head's scores from one
+// pass over the keys, its softmax weights, one pass over the values, in float32; chunks merged after (see CHUNK).
+// head_dim is a template parameter for the common sizes, so the row loops unroll and vectorise.
 
 #include <algorithm>
 #include <cfloat>
@@ -13,7 +13,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__)
+#include "cpu_kernels.h"
+
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -45,11 +47,15 @@ inline void load_row(const void* data, int64_t index, const _Float16* scales, fl
     constexpr int64_t group = group_size<kind, dim>();
     if constexpr (kind == F32) {
         std::memcpy(out, static_cast<const float*>(data) + index * dim, dim * sizeof(float));
-    } else if constexpr (kind == BF16) {
+    } else if constexpr (kind == BF16) {  // bfloat16 bits are a float's upper half
+        using Halves = uint16_t __attribute__((vector_size(32)));
+        using Words = uint32_t __attribute__((vector_size(64)));
         const uint16_t* row = static_cast<const uint16_t*>(data) + index * dim;
-        for (int64_t d = 0; d < dim; d++) {
-            uint32_t bits = uint32_t(row[d]) << 16;
-            std::memcpy(&out[d], &bits, sizeof(float));
+        for (int64_t d = 0; d < dim; d += 16) {
+            Halves halves;
+            std::memcpy(&halves, row + d, sizeof(halves));
+            const Words words = __builtin_convertvector(halves, Words) << 16;
+            std::memcpy(out + d, &words, sizeof(words));
         }
     } else if constexpr (kind == F16) {
         const _Float16* row = static_cast<const _Float16*>(data) + index * dim;
@@ -98,58 +104,204 @@ struct Step {
     int threads;
 };
 
+// A work item is CHUNK tokens of one decode row's sequence, every KV head: its keys and values are read as they lie
+// (a token's heads side by side), a long sequence spreads over the threads (each chunk's softmax is merged after, as
+// flash-decoding does), and the chunk's rows and scores stay in cache. A token's rows are fetched AHEAD tokens before
+// they are read: blocks are scattered, which the hardware's prefetchers do not follow.
+constexpr int64_t CHUNK = 128, LANES = 16, AHEAD = 8;
+
+// Fetch rows [index, index + count) of a cache into cache.
+template <int kind, int64_t dim>
+inline void prefetch_rows(const void* data, int64_t index, int64_t count, const _Float16* scales) {
+    constexpr int64_t bytes = kind == F32 ? 4 * dim : kind == INT8 ? dim : kind == INT4 ? dim / 2 : 2 * dim;
+    const char* rows = static_cast<const char*>(data) + index * bytes;
+    for (int64_t at = 0; at < count * bytes; at += 64) __builtin_prefetch(rows + at);
+    if constexpr (kind == INT8 || kind == INT4) {
+        constexpr int64_t scale_bytes = dim / group_size<kind, dim>() * 2 * sizeof(_Float16);
+        const char* scale_rows = reinterpret_cast<const char*>(scales) + index * scale_bytes;
+        for (int64_t at = 0; at < count * scale_bytes; at += 64) __builtin_prefetch(scale_rows + at);
+    }
+}
+
+// e^x for x <= 0 (scores minus their maximum), in plain arithmetic the compiler vectorises: 2^n by exponent bits, e^r
+// on |r| <= ln2 / 2 by a degree-6 polynomial (~2 ulp); below -87 (e^x < 1.7e-38) it is 0.
+inline float exp_nonpositive(float x) {
+    x = std::max(x, -87.f);
+    const float n = std::nearbyint(x * 1.44269504f);
+    const float r = std::fma(n, -0.693145752f, std::fma(n, -1.42860677e-6f, x));
+    float p = 1.f / 720;
+    p = std::fma(p, r, 1.f / 120);
+    p = std::fma(p, r, 1.f / 24);
+    p = std::fma(p, r, 1.f / 6);
+    p = std::fma(p, r, 0.5f);
+    p = std::fma(p, r, 1.f);
+    p = std::fma(p, r, 1.f);
+    uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return x <= -87.f ? 0.f : p * scale;
+}
+
+// out[t] = sum of parts[t][0..LANES) for LANES rows of LANES partial sums (one dot product's lanes per row).
+inline void sum_lanes(const float* parts, float* out) {
+#if defined(__AVX512F__)
+    __m512 v[16];
+    for (int t = 0; t < 16; t++) v[t] = _mm512_loadu_ps(parts + t * 16);
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++)  // per 128-bit lane: the lane's sums of rows 4j .. 4j + 3
+        quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const auto halves = [](__m512 a, __m512 b) {
+        return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    const __m512 low = halves(quads[0], quads[1]), high = halves(quads[2], quads[3]);
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1))));
+#else
+    for (int t = 0; t < LANES; t++) {
+        float sum = 0.f;
+        for (int i = 0; i < LANES; i++) sum += parts[t * LANES + i];
+        out[t] = sum;
+    }
+#endif
+}
+
+// One chunk's attention for each query head: the maximum score, the sum of e^(score - maximum) and the values
+// weighted by those, for decode_attention to merge across chunks.
+struct Partial {
+    float* top;  // [num_q_heads]
+    float* sum;  // [num_q_heads]
+    float* acc;  // [num_q_heads, dim]
+};
+
+template <int kind, int64_t dim, typename SlotOf>
+void load_rows(const void* data, const _Float16* scales, const SlotOf& slot_of, int64_t length, int64_t heads,
+               float* rows) {
+    for (int64_t t = 0; t < length; t++) {
+        if (t + AHEAD < length) prefetch_rows<kind, dim>(data, slot_of(t + AHEAD) * heads, heads, scales);
+        for (int64_t h = 0; h < heads; h++)
+            load_row<kind, dim>(data, slot_of(t) * heads + h, scales, rows + (h * CHUNK + t) * dim);
+    }
+}
+
+using Floats = qrun_floats;
+
+// sums[d] = sum over t of weights[t] * rows[t][d].
+template <int64_t dim>
+void weighted_sum(const float* weights, const float* rows, int64_t length, float* sums) {
+    constexpr int64_t vectors = dim / LANES;
+    Floats acc[vectors] = {};
+    for (int64_t t = 0; t < length; t++) {
+        const Floats weight = Floats{} + weights[t];
+        for (int64_t v = 0; v < vectors; v++) acc[v] += weight * qrun_load_floats(rows + t * dim + v * LANES);
+    }
+    std::memcpy(sums, acc, sizeof(acc));
+}
+
+// scores[t] = query . rows[t], LANES tokens at a time (their lanes summed together: sum_lanes); returns the
+// largest. scores has room for length rounded up to LANES.
+template <int64_t dim>
+float dot_rows(const float* query, const float* rows, int64_t length, float* scores) {
+    constexpr int64_t vectors = dim / LANES;
+    Floats q[vectors];
+    for (int64_t v = 0; v < vectors; v++) q[v] = qrun_load_floats(query + v * LANES);
+    alignas(64) Floats parts[LANES];
+    Floats top = Floats{} - FLT_MAX;
+    for (int64_t t0 = 0; t0 < length; t0 += LANES) {
+        for (int64_t t = t0; t < t0 + LANES; t++) {
+            Floats lanes = {};
+            if (t < length)
+                for (int64_t v = 0; v < vectors; v++) lanes += q[v] * qrun_load_floats(rows + t * dim + v * LANES);
+            parts[t - t0] = lanes;
+        }
+        sum_lanes(reinterpret_cast<const float*>(parts), scores + t0);
+        for (int64_t t = length; t < t0 + LANES; t++) scores[t] = -FLT_MAX;
+        const Floats sums = qrun_load_floats(scores + t0);
+        top = sums > top ? sums : top;
+    }
+    float largest = -FLT_MAX;
+    for (int64_t i = 0; i < LANES; i++) largest = std::max(largest, top[i]);
+    return largest;
+}
+
+// Tokens [begin, end) of a sequence (its block table: table) for every query head; queries scaled.
+template <int kind, int64_t dim>
+void attend_chunk(const Step& step, const float* queries, const int32_t* table, int64_t begin, int64_t end,
+                  float* scores, float* rows, const Partial& partial) {
+    const int64_t block_mask = (int64_t(1) << step.block_shift) - 1, kv_heads = step.num_kv_heads;
+    const int64_t heads_per_kv = step.num_q_heads / kv_heads, length = end - begin;
+    const auto slot_of = [&](int64_t t) {
+        t += begin;
+        return (int64_t(table[t >> step.block_shift]) << step.block_shift) + (t & block_mask);
+    };
+    load_rows<kind, dim>(step.k_cache, step.k_scales, slot_of, length, kv_heads, rows);
+    for (int64_t head = 0; head < step.num_q_heads; head++) {
+        float* s = scores + head * (CHUNK + LANES);
+        const float top = dot_rows<dim>(queries + head * dim, rows + head / heads_per_kv * CHUNK * dim, length, s);
+        float sum = 0.f;
+        for (int64_t t = 0; t < length; t++) {
+            s[t] = exp_nonpositive(s[t] - top);
+            sum += s[t];
+        }
+        partial.top[head] = top;
+        partial.sum[head] = sum;
+    }
+    load_rows<kind, dim>(step.v_cache, step.v_scales, slot_of, length, kv_heads, rows);
+    for (int64_t head = 0; head < step.num_q_heads; head++)
+        weighted_sum<dim>(scores + head * (CHUNK + LANES), rows + head / heads_per_kv * CHUNK * dim, length,
+                          partial.acc + head * dim);
+}
+
 template <int kind, int64_t dim>
 void decode_attention(const Step& step) {
-    const int64_t heads_per_kv = step.num_q_heads / step.num_kv_heads;
-    const int64_t block_mask = (int64_t(1) << step.block_shift) - 1;
+    const int64_t heads = step.num_q_heads;
+    // work items: (decode row's sequence, chunk of its tokens); chunk_start[i]: sequence i's first chunk
+    std::vector<int64_t> chunk_start(step.num_seqs + 1, 0);
+    for (int64_t seq = 0; seq < step.num_seqs; seq++) {
+        const bool decodes = step.query_start_loc[seq + 1] - step.query_start_loc[seq] == 1;
+        chunk_start[seq + 1] = chunk_start[seq] + (decodes ? (step.seq_lens[seq] + CHUNK - 1) / CHUNK : 0);
+    }
+    const int64_t chunks = chunk_start[step.num_seqs], per_chunk = heads * (dim + 2);
+    std::vector<float> partials(chunks * per_chunk);  // per chunk: top[heads], sum[heads], acc[heads, dim]
+    const auto partial_of = [&](int64_t chunk) {
+        float* at = partials.data() + chunk * per_chunk;
+        return Partial{at, at + heads, at + 2 * heads};
+    };
 #pragma omp parallel num_threads(step.threads)
     {
-        alignas(64) float row[dim];
-        std::vector<float> scores, queries(heads_per_kv * dim), acc(heads_per_kv * dim), inverse_sum(heads_per_kv);
+        std::vector<float> queries(heads * dim), scores(heads * (CHUNK + LANES)), rows(step.num_kv_heads * CHUNK * dim);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < step.num_seqs * step.num_kv_heads; item++) {
-            const int64_t seq = item / step.num_kv_heads, head = item % step.num_kv_heads;
-            const int64_t token = step.query_start_loc[seq];
-            if (step.query_start_loc[seq + 1] - token != 1) continue;  // a prefill chunk: not this kernel's
-            const int64_t length = step.seq_lens[seq];
-            const int32_t* table = step.block_tables + seq * step.table_width;
-            auto row_of = [&](int64_t t) {
-                return ((int64_t(table[t >> step.block_shift]) << step.block_shift) + (t & block_mask))
-                       * step.num_kv_heads + head;
-            };
-            const int64_t first_q = (token * step.num_q_heads + head * heads_per_kv) * dim;
-            for (int64_t i = 0; i < heads_per_kv * dim; i++) queries[i] = step.q[first_q + i] * step.scale;
-            scores.resize(heads_per_kv * length);
-            for (int64_t t = 0; t < length; t++) {
-                load_row<kind, dim>(step.k_cache, row_of(t), step.k_scales, row);
-                for (int64_t g = 0; g < heads_per_kv; g++) {
-                    const float* query = &queries[g * dim];
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < dim; d++) dot += query[d] * row[d];
-                    scores[g * length + t] = dot;
-                }
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
+            const int64_t seq = after - chunk_start.begin() - 1;
+            const int64_t begin = (chunk - chunk_start[seq]) * CHUNK;
+            const float* q = step.q + step.query_start_loc[seq] * heads * dim;
+            for (int64_t i = 0; i < heads * dim; i++) queries[i] = q[i] * step.scale;
+            attend_chunk<kind, dim>(step, queries.data(), step.block_tables + seq * step.table_width, begin,
+                                    std::min<int64_t>(begin + CHUNK, step.seq_lens[seq]), scores.data(), rows.data(),
+                                    partial_of(chunk));
+        }
+        // each decode row's heads: its chunks merged, in chunk order
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < step.num_seqs * heads; item++) {
+            const int64_t seq = item / heads, head = item % heads;
+            const int64_t first = chunk_start[seq], last = chunk_start[seq + 1];
+            if (first == last) continue;  // a prefill chunk: not this kernel's
+            float top = -FLT_MAX;
+            for (int64_t c = first; c < last; c++) top = std::max(top, partial_of(c).top[head]);
+            float sum = 0.f, out[dim] = {};
+            for (int64_t c = first; c < last; c++) {
+                const Partial part = partial_of(c);
+                const float weight = last - first == 1 ? 1.f : std::exp(part.top[head] - top);
+                sum += weight * part.sum[head];
+                for (int64_t d = 0; d < dim; d++) out[d] += weight * part.acc[head * dim + d];
             }
-            for (int64_t g = 0; g < heads_per_kv; g++) {
-                float* s = &scores[g * length];
-                float top = -FLT_MAX, sum = 0.f;
-                for (int64_t t = 0; t < length; t++) top = std::max(top, s[t]);
-                for (int64_t t = 0; t < length; t++) {
-                    s[t] = std::exp(s[t] - top);
-                    sum += s[t];
-                }
-                inverse_sum[g] = 1.f / sum;
-            }
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t = 0; t < length; t++) {
-                load_row<kind, dim>(step.v_cache, row_of(t), step.v_scales, row);
-                for (int64_t g = 0; g < heads_per_kv; g++) {
-                    const float p = scores[g * length + t];
-                    float* a = &acc[g * dim];
-                    for (int64_t d = 0; d < dim; d++) a[d] += p * row[d];
-                }
-            }
-            for (int64_t g = 0; g < heads_per_kv; g++)
-                for (int64_t d = 0; d < dim; d++) step.out[first_q + g * dim + d] = acc[g * dim + d] * inverse_sum[g];
+            float* row_out = step.out + (step.query_start_loc[seq] * heads + head) * dim;
+            for (int64_t d = 0; d < dim; d++) row_out[d] = out[d] / sum;
         }
     }
 }

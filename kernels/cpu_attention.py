@@ -8,7 +8,13 @@ decoding 4 sequences of ~850 tokens cost ~380 us per layer that way: gather and 
 keys and values once, in place in the cache blocks and in their stored dtype (float32,
 bfloat16, float16, or the int8/int4 of `kernels/kv_quant.py`, dequantized as it reads), for all
 decode rows of a step in one call: no gather, no padding, no grouping. Its threads are torch's
-own (it links the OpenMP runtime torch loaded), split over (sequence, KV head) pairs.
+own (it links the OpenMP runtime torch loaded), split over chunks of 128 tokens of each
+sequence (all KV heads), whose softmaxes are merged after, as flash-decoding does: a long
+sequence uses every thread. Scores come 16 tokens at a time (their dot products' lanes summed
+together rather than one horizontal sum each) and e^x by a polynomial the compiler vectorises.
+On a 2-core Xeon (bfloat16 cache, SmolLM2's 9 query and 3 KV heads of 64): 32 sequences of 600
+tokens took 1.3 ms per layer against 2.0 ms for the kernel that looped (sequence, KV head)
+pairs with a horizontal sum per token, 4 of 1,500 0.43 against 0.62 ms.
 
 The kernel is `torch.ops.qrun.decode_attention`, part of the C++ library `kernels/cpu_library.py`
 builds (a compiled decode layer keeps it as one call); where it cannot be built the kernel table

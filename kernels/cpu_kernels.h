@@ -1,6 +1,7 @@
 // The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp,
-// cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the decode
-// layer calls those); their Python modules document the arguments. And the bfloat16 rounding the kernels share.
+// cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them
+// torch ops (the decode layer calls those); their Python modules document the arguments. And what the kernels share:
+// the bfloat16 rounding, 16-float vectors.
 
 #pragma once
 
@@ -13,6 +14,16 @@ inline uint16_t qrun_bfloat16_bits(float value) {
     std::memcpy(&bits, &value, sizeof(bits));
     if ((bits & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
     return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
+// compiler keeps in registers.
+using qrun_floats = float __attribute__((vector_size(64)));
+
+inline qrun_floats qrun_load_floats(const float* at) {
+    qrun_floats values;
+    std::memcpy(&values, at, sizeof(values));
+    return values;
 }
 
 extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,

@@ -62,6 +62,13 @@ def test_decode_rows_equal_the_reference(cache, dim):
                                         block_size=16))
 
 
+@pytest.mark.parametrize("cache", CACHES)
+def test_rows_longer_than_a_chunk_merge_their_chunks_as_the_reference(cache):
+    """A work item is 128 tokens of a sequence (cpu_attention.cpp's CHUNK): longer ones merge their softmaxes."""
+    assert_matches_reference(paged_step(cache, [1] * 6, [127, 128, 129, 300, 700, 5], kv_heads=3, group=3, dim=64,
+                                        block_size=16))
+
+
 @settings(max_examples=40, deadline=None)
 @given(cache=st.sampled_from(CACHES), kv_heads=st.integers(1, 4), group=st.sampled_from([1, 2, 3, 4, 8]),
        dim=st.sampled_from(cpu_attention.HEAD_DIMS), block_size=st.sampled_from([1, 4, 16, 32]),
