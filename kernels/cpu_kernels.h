@@ -8,12 +8,13 @@
 #include <cstdint>
 #include <cstring>
 
-// bfloat16 bits of a float, rounded to nearest even as torch rounds; NaN stays NaN.
+// bfloat16 bits of a float, rounded to nearest even as torch rounds; NaN stays NaN. Branch-free, so loops of it
+// vectorise.
 inline uint16_t qrun_bfloat16_bits(float value) {
     uint32_t bits;
     std::memcpy(&bits, &value, sizeof(bits));
-    if ((bits & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
-    return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    const uint16_t rounded = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    return (bits & 0x7FFFFFFF) > 0x7F800000 ? uint16_t(0x7FC0) : rounded;
 }
 
 // 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
