@@ -24,8 +24,8 @@ CPUs with AMX (AMX-BF16) the tile unit multiplies bfloat16 rows from `tile_rows(
 (cpu_quant_matmul_amx.cpp): the codes enter the tiles exactly (bfloat16 0x43cc is 128 + cc, two
 byte shuffles from the packed nibbles, no float math per weight), x unrounded, each group summed in
 float32 and scaled after, so its only rounding is float32 summation's (`quant_matmul_ref` within
-1e-6 relative before the output's rounding). SmolLM2's 3072 x 576 at 32 rows: 0.13 ms against the
-VNNI kernel's 0.33 (and oneDNN's 0.2 for the dense bfloat16 weight). Its per-group scaling grows
+1e-6 relative before the output's rounding). SmolLM2's 3072 x 576 at 32 rows: 0.15 ms against the
+VNNI kernel's 0.23 (and oneDNN's 0.2 for the dense bfloat16 weight). Its per-group scaling grows
 with the rows, so from `dequantize_rows()` rows on (prefill chunks) the weight is dequantized
 (`dequantize_planes`, the reference's float weights rounded once to bfloat16) and multiplied by
 oneDNN (`qrun ppl` KL of a 4.0-bpw SmolLM2 to the dense model on brown k and j, 2,048 tokens each,
@@ -56,7 +56,7 @@ import torch
 from qrun.kernels import cpu_int4, cpu_library
 
 TILE_N, BLOCK_K = 16, 32
-TILE_ROWS, TILED_DEQUANTIZE_ROWS = 4, 256  # tile_rows(), dequantize_rows()
+TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 256  # tile_rows(), dequantize_rows()
 
 
 @functools.cache
@@ -128,9 +128,10 @@ def _has_amx() -> bool:
 def tile_rows() -> int:
     """From how many rows of bfloat16 inputs `quant_matmul` runs the AMX kernel (0: never; it needs
     AMX-BF16 and the OS's consent). On a 2-core Xeon with AMX (SmolLM2's shapes, microbenchmark):
-    3072 x 576 in groups of 96 took 26 / 43 us at 1 row (VNNI / AMX), 54 / 39 at 4, 173 / 71 at 16
-    and 328 / 130 at 32; one row stays on the VNNI kernel, which reads the codes once and multiplies
-    them with fewer instructions."""
+    3072 x 576 in groups of 96 took 22 / 44 us at 1 row (VNNI / AMX), 45 / 53 at 4, 75 / 71 at 8,
+    126 / 90 at 16 and 230 / 149 at 32 (49152 x 576: 695 / 838 us at 4 rows, 915 / 853 at 8);
+    fewer rows stay on the VNNI kernel, which reads the codes once and multiplies them with fewer
+    instructions."""
     return TILE_ROWS if cpu_library.available() and torch.ops.qrun.quant_matmul_tiles_available() else 0
 
 
