@@ -15,7 +15,6 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define QRUN_HAS_AMX 1
@@ -26,7 +25,6 @@ namespace {
 
 constexpr int64_t TILE_N = 16, BLOCK_K = 32, TILE_ROWS = 16;
 constexpr int64_t BLOCK_BYTES = BLOCK_K * TILE_N * 2;  // one block of a channel tile as bfloat16 pairs (a B tile)
-constexpr int64_t MAX_GROUP = 256;  // inputs per group the kernel takes (its unpacking buffer: 32 KiB)
 
 // Linux hands out the tile registers' state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); asking twice is harmless.
@@ -172,8 +170,7 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
                                        const int8_t* high_centers, int64_t k_high, float* y, int64_t ldy, int64_t rows,
                                        int64_t n, int64_t k, int64_t group, int threads) {
 #ifdef QRUN_HAS_AMX
-    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || group > MAX_GROUP ||
-        (high_codes && (k_high % group || k_high > k)))
+    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
         return 1;
     if (!tiles_permitted()) return 2;
     const int64_t groups = k / group;
@@ -197,7 +194,9 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
     const int64_t tiles = n / TILE_N;
 #pragma omp parallel num_threads(threads)
     {
-        alignas(64) uint8_t unpacked[2 * (MAX_GROUP / BLOCK_K) * BLOCK_BYTES];
+        std::vector<uint8_t> storage(2 * (group / BLOCK_K) * BLOCK_BYTES + 64);  // a group of two channel tiles
+        const uintptr_t aligned = (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63);
+        uint8_t* unpacked = reinterpret_cast<uint8_t*>(aligned);
         alignas(64) float sums[2 * TILE_ROWS * 2 * TILE_N];
         configure(int(std::min<int64_t>(rows, TILE_ROWS)), int(std::clamp<int64_t>(rows - TILE_ROWS, 0, TILE_ROWS)));
 #pragma omp for schedule(static)
