@@ -193,6 +193,7 @@ struct Partial {
     float* acc;  // [num_q_heads, dim]
 };
 
+// rows[h][t] = the cache's row of KV head h for the chunk's token t (slot_of(t): its slot), as floats.
 template <int kind, int64_t dim, typename SlotOf>
 void load_rows(const void* data, const _Float16* scales, const SlotOf& slot_of, int64_t length, int64_t heads,
                float* rows) {
@@ -271,6 +272,7 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
                           partial.acc + head * dim);
 }
 
+// Every decode row of the step; prefill rows (query length > 1) are left to the caller.
 template <int kind, int64_t dim>
 void decode_attention(const Step& step) {
     const int64_t heads = step.num_q_heads;
