@@ -28,8 +28,9 @@ float32 and scaled after, so its only rounding is float32 summation's (`quant_ma
 VNNI kernel's 0.23 (and oneDNN's 0.2 for the dense bfloat16 weight). Its per-group scaling grows
 with the rows, so from `dequantize_rows()` rows on (prefill chunks) the weight is dequantized
 (`dequantize_planes`, the reference's float weights rounded once to bfloat16) and multiplied by
-oneDNN (`qrun ppl` KL of a 4.0-bpw SmolLM2 to the dense model on brown k and j, 2,048 tokens each,
-on a Xeon with AMX: 0.1625, and 0.1637 with every row on the VNNI kernel in a one-off run).
+oneDNN. `qrun ppl` KL of a 4.0-bpw SmolLM2 to the dense model (brown k and j, 2,048 tokens each,
+windows of 512, a Xeon with AMX, one-off runs with the thresholds patched): 0.1619 with every row
+on the AMX kernel, 0.1622 as chosen here, 0.1638 with every row on the VNNI kernel.
 
 The inputs are rounded to one int8 digit per element (x ~ xscale * xq), or to two (x ~ xscale *
 (xq + xq' / 254): 15 bits, exact for bfloat16 inputs in practice) at twice the multiplications,
