@@ -87,12 +87,24 @@ at::Tensor to_bfloat16(const at::Tensor& values) {
     return out;
 }
 
+// Whether a plane is in cpu_quant_matmul.py's layout for an [out_features, inputs] weight.
+bool plane_laid_out(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                    const at::Tensor& centers, int64_t out_features, int64_t inputs) {
+    return codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() && centers.is_contiguous() &&
+           codes.numel() * 2 == out_features * inputs && centers.numel() * 32 == inputs;
+}
+
+// An optional tensor's data (the high plane's), null without one.
+template <typename T>
+const T* data_or_null(const std::optional<at::Tensor>& tensor) {
+    return tensor ? static_cast<const T*>(tensor->data_ptr()) : nullptr;
+}
+
 // One plane's product: y (float32) = x[:, :k] W^T, or y += it.
 void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k,
                         int64_t input_digits, at::Tensor& y, bool accumulate) {
-    TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() && centers.is_contiguous() &&
-                    codes.numel() * 2 == y.size(1) * k && centers.numel() * 32 == k,
+    TORCH_CHECK(plane_laid_out(codes, scales, zeros, centers, y.size(1), k),
                 "quant_matmul: packed weights do not match [", y.size(1), ", ", k, "]");
     const int status = qrun_quant_matmul(
         x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
@@ -109,19 +121,16 @@ at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, 
                              const std::optional<at::Tensor>& high_zeros,
                              const std::optional<at::Tensor>& high_centers, int64_t k_high) {
     const int64_t k = out_features ? codes.numel() * 2 / out_features : 0;
-    const bool laid_out = codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() &&
-                          centers.is_contiguous() && centers.numel() * 32 == k &&
-                          (!high_codes || (high_codes->is_contiguous() && high_scales->is_contiguous() &&
-                                           high_zeros->is_contiguous() && high_centers->is_contiguous()));
+    const bool laid_out = plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
+                          (!high_codes ||
+                           plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high));
     TORCH_CHECK(laid_out, "dequantize_planes: packed weights do not match [", out_features, ", ", k, "]");
     at::Tensor out = at::empty({out_features, k}, codes.options().dtype(at::kBFloat16));
     const int status = qrun_dequantize_planes(
         static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const uint16_t*>(scales.data_ptr()),
         static_cast<const uint16_t*>(zeros.data_ptr()), static_cast<const int8_t*>(centers.data_ptr()),
-        high_codes ? static_cast<const uint8_t*>(high_codes->data_ptr()) : nullptr,
-        high_codes ? static_cast<const uint16_t*>(high_scales->data_ptr()) : nullptr,
-        high_codes ? static_cast<const uint16_t*>(high_zeros->data_ptr()) : nullptr,
-        high_codes ? static_cast<const int8_t*>(high_centers->data_ptr()) : nullptr, out_features, k, k_high, group,
+        data_or_null<uint8_t>(high_codes), data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros),
+        data_or_null<int8_t>(high_centers), out_features, k, k_high, group,
         static_cast<uint16_t*>(out.data_ptr()), k, at::get_num_threads());
     TORCH_CHECK(status == 0, "dequantize_planes: cannot unpack a [", out_features, ", ", k, "] weight in groups of ",
                 group);
@@ -135,34 +144,25 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
                               const std::optional<at::Tensor>& high_zeros,
                               const std::optional<at::Tensor>& high_centers, int64_t k_high) {
     const int64_t k = x.size(1);
-    const auto laid_out = [&](const at::Tensor& c, const at::Tensor& s, const at::Tensor& z, const at::Tensor& m,
-                              int64_t inputs) {
-        return c.is_contiguous() && s.is_contiguous() && z.is_contiguous() && m.is_contiguous() &&
-               c.numel() * 2 == out_features * inputs && m.numel() * 32 == inputs;
-    };
-    TORCH_CHECK(x.stride(1) == 1 && laid_out(codes, scales, zeros, centers, k) &&
-                    (!high_codes || laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, k_high)),
+    TORCH_CHECK(x.stride(1) == 1 && plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
+                    (!high_codes ||
+                     plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high)),
                 "quant_matmul: packed weights do not match [", out_features, ", ", k, "]");
     at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
-    const auto bytes = [](const std::optional<at::Tensor>& t) {
-        return t ? static_cast<const uint8_t*>(t->data_ptr()) : nullptr;
-    };
-    const auto halves = [](const std::optional<at::Tensor>& t) {
-        return t ? static_cast<const uint16_t*>(t->data_ptr()) : nullptr;
-    };
     const int status = qrun_quant_matmul_tiles(
         static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
         static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
-        static_cast<const int8_t*>(centers.data_ptr()), bytes(high_codes), halves(high_scales), halves(high_zeros),
-        reinterpret_cast<const int8_t*>(bytes(high_centers)), k_high, y.data_ptr<float>(), y.stride(0), x.size(0),
-        out_features, k, group, at::get_num_threads());
+        static_cast<const int8_t*>(centers.data_ptr()), data_or_null<uint8_t>(high_codes),
+        data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros), data_or_null<int8_t>(high_centers),
+        k_high, y.data_ptr<float>(), y.stride(0), x.size(0), out_features, k, group, at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul_tiles cannot multiply [", x.size(0), ", ", k, "] by a [",
                 out_features, ", ", k, "] weight in groups of ", group, " (status ", status, ")");
     return y;
 }
 
-// Which kernel multiplies: kernels/cpu_quant_matmul.py (row_paths). bfloat16 rows: from dequantize_rows rows on
-// (0: never) oneDNN on the dequantized weight, from tile_rows on (0: never) the AMX kernel; else the VNNI kernel.
+// Which kernel multiplies (kernels/cpu_quant_matmul.py: tile_rows, dequantize_rows): bfloat16 rows from
+// dequantize_rows on (0: never) oneDNN on the dequantized weight, from tile_rows on (0: never) the AMX kernel; else
+// the VNNI kernel.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
