@@ -88,8 +88,6 @@ QuantizedRows quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, i
     return q;
 }
 
-// Rows m0 .. m0 + R of y's channel tile `tile`, every input: the weights of a block are unpacked
-// once for the R rows, whose int32 sums stay in registers.
 // One plane of weights in the layout above: [n, k] in groups of `group` inputs.
 struct Weights {
     const uint8_t* codes;
@@ -106,58 +104,71 @@ struct Output {
     bool accumulate;
 };
 
-template <int R, bool two_digits>
-void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, int64_t tile) {
+// Rows m0 .. m0 + R of y's channel tiles tiles[0 .. T), every input: the weights of a block are unpacked once for
+// the R rows, whose int32 sums stay in registers. The T tiles are read side by side, as separate streams.
+template <int R, int T, bool two_digits>
+void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
     const auto [codes, scales, zeros, centers, n, k, group] = weights;
     const auto [y, ldy, accumulate] = out;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
-    __m512 total[R], group_total[R];
-    for (int r = 0; r < R; r++) {
-        total[r] = accumulate ? _mm512_loadu_ps(y + (m0 + r) * ldy + tile * TILE_N) : _mm512_setzero_ps();
-        group_total[r] = _mm512_setzero_ps();
+    __m512 total[T][R], group_total[T][R];
+    const uint8_t* tile_codes[T];
+    for (int t = 0; t < T; t++) {
+        tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
+        for (int r = 0; r < R; r++) {
+            total[t][r] = accumulate ? _mm512_loadu_ps(y + (m0 + r) * ldy + tiles[t] * TILE_N) : _mm512_setzero_ps();
+            group_total[t][r] = _mm512_setzero_ps();
+        }
     }
     const __m512i low_nibbles = _mm512_set1_epi8(15);
-    const uint8_t* tile_codes = codes + tile * blocks * BLOCK_K * TILE_N / 2;
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i w[8];
-        for (int s = 0; s < 4; s++) {
-            _mm_prefetch(reinterpret_cast<const char*>(tile_codes + (b * 4 + s) * 64 + PREFETCH), _MM_HINT_T0);
-            const __m512i bytes = _mm512_loadu_si512(tile_codes + (b * 4 + s) * 64);
-            w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
-            w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
-        }
-        for (int r = 0; r < R; r++) {
-            const int64_t at = (m0 + r) * k + b * BLOCK_K, block = (m0 + r) * blocks + b;
-            const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
-            const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
-            __m512i high_dot = _mm512_setzero_si512(), low_dot = _mm512_setzero_si512();
-            for (int q = 0; q < 8; q++) {
-                high_dot = _mm512_dpbusd_epi32(high_dot, w[q], _mm512_set1_epi32(high[q]));
-                if constexpr (two_digits) low_dot = _mm512_dpbusd_epi32(low_dot, w[q], _mm512_set1_epi32(low[q]));
+        for (int t = 0; t < T; t++) {
+            __m512i w[8];
+            for (int s = 0; s < 4; s++) {
+                const uint8_t* slice = tile_codes[t] + (b * 4 + s) * 64;
+                _mm_prefetch(reinterpret_cast<const char*>(slice + PREFETCH), _MM_HINT_T0);
+                const __m512i bytes = _mm512_loadu_si512(slice);
+                w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
+                w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
             }
-            __m512 dot = _mm512_cvtepi32_ps(high_dot);
-            if constexpr (two_digits)
-                dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot),
-                                      _mm512_set1_ps(1.f / LOW_STEPS), dot);
-            group_total[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x.block_scales[block]), group_total[r]);
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (m0 + r) * k + b * BLOCK_K, block = (m0 + r) * blocks + b;
+                const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
+                const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
+                __m512i high_dot = _mm512_setzero_si512(), low_dot = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q++) {
+                    high_dot = _mm512_dpbusd_epi32(high_dot, w[q], _mm512_set1_epi32(high[q]));
+                    if constexpr (two_digits) low_dot = _mm512_dpbusd_epi32(low_dot, w[q], _mm512_set1_epi32(low[q]));
+                }
+                __m512 dot = _mm512_cvtepi32_ps(high_dot);
+                if constexpr (two_digits)
+                    dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot), _mm512_set1_ps(1.f / LOW_STEPS), dot);
+                group_total[t][r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x.block_scales[block]), group_total[t][r]);
+            }
         }
         if ((b + 1) % blocks_per_group == 0) {
-            const int64_t g = b / blocks_per_group, at = (tile * groups + g) * TILE_N;
-            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-            const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)));
+            const int64_t g = b / blocks_per_group;
             // (code - center) . x: centred codes, so x's rounding meets weights of at most half the
             // group's range (center x sum(x) is in the zeros, with x's float sums)
             const float center = centers[b];
-            for (int r = 0; r < R; r++) {
-                const __m512 centred =
-                    _mm512_sub_ps(group_total[r], _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
-                total[r] = _mm512_fmadd_ps(centred, scale, total[r]);
-                total[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x.group_sums[(m0 + r) * groups + g]), total[r]);
-                group_total[r] = _mm512_setzero_ps();
+            for (int t = 0; t < T; t++) {
+                const int64_t at = (tiles[t] * groups + g) * TILE_N;
+                const __m512 scale =
+                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+                const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)));
+                for (int r = 0; r < R; r++) {
+                    const __m512 centred = _mm512_sub_ps(
+                        group_total[t][r], _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
+                    total[t][r] = _mm512_fmadd_ps(centred, scale, total[t][r]);
+                    total[t][r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x.group_sums[(m0 + r) * groups + g]),
+                                                  total[t][r]);
+                    group_total[t][r] = _mm512_setzero_ps();
+                }
             }
         }
     }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + tile * TILE_N, total[r]);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + tiles[t] * TILE_N, total[t][r]);
 }
 
 // The last rows (fewer than ROW_TILE) of a tile: tile_rows<left>.
@@ -165,17 +176,42 @@ template <int R, bool two_digits>
 void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out,
                     int64_t tile) {
     if constexpr (R > 0) {
-        if (left == R) return tile_rows<R, two_digits>(weights, x, m0, out, tile);
+        if (left == R) return tile_rows<R, 1, two_digits>(weights, x, m0, out, &tile);
         remaining_rows<R - 1, two_digits>(left, weights, x, m0, out, tile);
+    }
+}
+
+// Tiles a thread reads side by side at one or two rows, where the product is bound by reading the weights: a core
+// keeps more reads in flight over several sequential streams than over one.
+constexpr int STREAMS = 4;
+
+// Each thread's tiles in STREAMS quarters read side by side, the rest one at a time.
+template <int R, bool two_digits>
+void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
+    const int64_t tiles = weights.n / TILE_N;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+        const int64_t first = tiles * part / parts, last = tiles * (part + 1) / parts;
+        const int64_t quarter = (last - first) / STREAMS;
+        for (int64_t j = 0; j < quarter; j++) {
+            int64_t side_by_side[STREAMS];
+            for (int s = 0; s < STREAMS; s++) side_by_side[s] = first + s * quarter + j;
+            tile_rows<R, STREAMS, two_digits>(weights, x, 0, out, side_by_side);
+        }
+        for (int64_t tile = first + STREAMS * quarter; tile < last; tile++)
+            tile_rows<R, 1, two_digits>(weights, x, 0, out, &tile);
     }
 }
 
 template <bool two_digits>
 void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, const Output& out, int threads) {
+    if (rows == 1) return few_rows<1, two_digits>(x, weights, out, threads);
+    if (rows == 2) return few_rows<2, two_digits>(x, weights, out, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t tile = 0; tile < weights.n / TILE_N; tile++) {
         int64_t m0 = 0;
-        for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE) tile_rows<ROW_TILE, two_digits>(weights, x, m0, out, tile);
+        for (; m0 + ROW_TILE <= rows; m0 += ROW_TILE) tile_rows<ROW_TILE, 1, two_digits>(weights, x, m0, out, &tile);
         remaining_rows<ROW_TILE - 1, two_digits>(rows - m0, weights, x, m0, out, tile);
     }
 }

@@ -24,7 +24,7 @@ def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0)
 def weights(draw):
     group = 32 * draw(st.integers(1, 4))
     k = group * draw(st.integers(1, 4))
-    n = 16 * draw(st.integers(1, 4))
+    n = 16 * draw(st.integers(1, 24))  # from 8 tiles each thread reads some side by side at one or two rows
     k_high = group * draw(st.integers(0, k // group))
     seed = draw(st.integers(0, 2**31 - 1))
     return n, k, group, k_high, seed
