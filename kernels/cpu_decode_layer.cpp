@@ -10,7 +10,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/silu.h>
@@ -99,7 +98,11 @@ struct Linear {
 
     at::Tensor operator()(const at::Tensor& x, bool half_gemv) const {
         at::Tensor in = signs ? rotate(x) : x;
-        if (perm) in = at::index_select(in, 1, *perm);
+        if (perm) {  // kernels/cpu_quant_matmul.py's gather_columns
+            static const auto gather = library_op<at::Tensor(const at::Tensor&, const at::Tensor&)>(
+                "qrun::gather_columns");
+            in = gather.call(in.contiguous(), *perm);
+        }
         switch (kind) {
             case QUANT:
                 return quant_matmul(in.contiguous());

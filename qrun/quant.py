@@ -227,6 +227,8 @@ class CpuQuantMatmul(nn.Module):
         # (or four Nones); low and high: torch's int4 kernel's weights instead
         self.planes = self.low = self.high = None
         self.dequantizes = False
+        self.gather_columns = (cpu_quant_matmul.gather_columns if backend(torch.device("cpu")) == "cpu"
+                               else cpu_quant_matmul.gather_columns_ref)
         if parts.low is not None and self._vnni_takes(parts):
             high = _vnni_plane(parts.high, parts) if parts.high else (None,) * 4
             self.planes = (*_vnni_plane(parts.low, parts), *high)
@@ -268,7 +270,7 @@ class CpuQuantMatmul(nn.Module):
         # A decode step runs this ~120 times: casts and gathers only where they change something.
         xp = x if x.dtype == torch.bfloat16 or self.planes is not None else x.to(torch.bfloat16)
         if self.perm is not None:
-            xp = xp.index_select(1, self.perm)
+            xp = self.gather_columns(xp, self.perm)
         if self.planes is not None:
             y = cpu_quant_matmul.quant_matmul(xp, *self.planes[:4], self.group, self.out_features, *self.planes[4:],
                                               self.k_high, self.input_digits)

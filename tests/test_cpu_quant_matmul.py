@@ -140,3 +140,18 @@ def test_the_op_picks_its_kernel_by_the_rows(monkeypatch):
     weight = cqm.dequantize_planes(*low, 64, 32, *high, 64)
     assert torch.equal(cqm.quant_matmul(x, *low, 64, 32, *high, 64, 1), torch.nn.functional.linear(x, weight))
     assert torch.equal(cqm.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1), op(x.float(), low, 64, 32, high, 64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 200), st.integers(0, 300), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.integers(0, 2**16))
+def test_gather_columns_equals_index_select(rows, k, columns, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + 3, generator=g).to(dtype)[:, :k]  # rows k + 3 apart
+    index = torch.randint(0, k, (columns,), generator=g)
+    assert torch.equal(cqm.gather_columns(x, index), cqm.gather_columns_ref(x, index))
+
+
+def test_gather_columns_rejects_an_index_outside_the_columns():
+    with pytest.raises(RuntimeError, match=r"index values from 0 to 8 are not columns of a \[2, 8\] x"):
+        cqm.gather_columns(torch.randn(2, 8), torch.tensor([0, 8]))
