@@ -6,7 +6,9 @@
 // torch runs it as one small matmul per factor; at one to a few rows each is a BLAS call whose thread start-up
 // costs more than its work. Here a row, viewed as [odd, 2^m], is rotated in float32 on its thread's stack: a
 // fast Walsh-Hadamard transform of each of its odd rows (m passes of additions, 16 values per instruction: 512
-// rows of 576 took 0.19 ms against 0.45 with the passes as scalar loops), then the odd factor mixing them.
+// rows of 576 took 0.19 ms against 0.45 with the passes as scalar loops), then the odd factor mixing them (16
+// columns per sum held in a register: 512 rows of 576 / 1536 then took ~0.12-0.15 / ~0.28-0.33 ms on two Xeon
+// cores against ~0.19 / ~0.36).
 
 #include <algorithm>
 #include <cmath>
@@ -20,20 +22,22 @@ namespace {
 
 enum Kind { F32 = 0, BF16 = 1 };
 
-inline float load(const void* x, int kind, int64_t i) {
-    if (kind == F32) return static_cast<const float*>(x)[i];
+// The kind is a template argument, so the loops over a row vectorise without a branch per value.
+template <int kind>
+inline float load(const void* x, int64_t i) {
+    if constexpr (kind == F32) return static_cast<const float*>(x)[i];
     const uint32_t bits = uint32_t(static_cast<const uint16_t*>(x)[i]) << 16;
     float value;
     std::memcpy(&value, &bits, sizeof(value));
     return value;
 }
 
-inline void store(void* out, int kind, int64_t i, float value) {
-    if (kind == F32) {
+template <int kind>
+inline void store(void* out, int64_t i, float value) {
+    if constexpr (kind == F32)
         static_cast<float*>(out)[i] = value;
-        return;
-    }
-    static_cast<uint16_t*>(out)[i] = qrun_bfloat16_bits(value);
+    else
+        static_cast<uint16_t*>(out)[i] = qrun_bfloat16_bits(value);
 }
 
 // x <- x H for the n x n Sylvester-Hadamard matrix H, n a power of two.
@@ -75,6 +79,55 @@ void walsh_hadamard_vectors(float* x, int64_t n) {
             }
 }
 
+// b[i, :] = sum_j F[i, j] a[j, :] for a, b [odd, n], F [odd, odd]. 16 columns at a time with the sum in a register
+// where n allows: accumulating into b in memory, a store and a load per product, took 3/4 of the rotation's time.
+void mix_odd(const float* a, const float* factor, int64_t odd, int64_t n, float* b) {
+    const int64_t vectorised = n / 16 * 16;
+    for (int64_t i = 0; i < odd; i++) {
+        const float* weights = factor + i * odd;
+        for (int64_t q = 0; q < vectorised; q += 16) {
+            qrun_floats sum = weights[0] * qrun_load_floats(a + q);
+            for (int64_t j = 1; j < odd; j++) sum += weights[j] * qrun_load_floats(a + j * n + q);
+            std::memcpy(b + i * n + q, &sum, sizeof(sum));
+        }
+        for (int64_t q = vectorised; q < n; q++) {
+            float sum = 0.f;
+            for (int64_t j = 0; j < odd; j++) sum += weights[j] * a[j * n + q];
+            b[i * n + q] = sum;
+        }
+    }
+}
+
+// Rows of x rotated into out (qrun_rotate's arguments, n = k / odd).
+template <int kind>
+void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const float* signs, const float* odd_factor,
+                 int64_t odd, int64_t n, int64_t rows, int threads) {
+    const int64_t k = n * odd, width = kind == F32 ? 4 : 2;
+    const float norm = 1.f / std::sqrt(float(n));  // H / sqrt(n) is orthogonal
+#pragma omp parallel num_threads(rows > 1 ? std::min<int64_t>(threads, rows) : 1)
+    {
+        std::vector<float> a(k), b(k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const char* in = static_cast<const char*>(x) + r * ldx * width;
+            for (int64_t i = 0; i < k; i++) a[i] = load<kind>(in, i) * signs[i] * norm;
+            for (int64_t p = 0; p < odd; p++) {
+                if (n % 16 == 0)
+                    walsh_hadamard_vectors(a.data() + p * n, n);
+                else
+                    walsh_hadamard(a.data() + p * n, n);
+            }
+            float* rotated = a.data();
+            if (odd > 1) {
+                mix_odd(a.data(), odd_factor, odd, n, b.data());
+                rotated = b.data();
+            }
+            char* dst = static_cast<char*>(out) + r * ldout * width;
+            for (int64_t i = 0; i < k; i++) store<kind>(dst, i, rotated[i]);
+        }
+    }
+}
+
 }  // namespace
 
 // x, out: [rows, k] float32 (kind 0) or bfloat16 (kind 1), rows `ldx` / `ldout` elements apart; signs: float32
@@ -86,37 +139,9 @@ extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout,
     if (n <= 0 || n * odd != k || (n & (n - 1)) != 0 || (odd > 1 && odd_factor == nullptr) ||
         (kind != F32 && kind != BF16))
         return 1;
-    const int64_t width = kind == F32 ? 4 : 2;
-    const float norm = 1.f / std::sqrt(float(n));  // H / sqrt(n) is orthogonal
-#pragma omp parallel num_threads(rows > 1 ? std::min<int64_t>(threads, rows) : 1)
-    {
-        std::vector<float> a(k), b(k);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const char* in = static_cast<const char*>(x) + r * ldx * width;
-            for (int64_t i = 0; i < k; i++) a[i] = load(in, kind, i) * signs[i] * norm;
-            for (int64_t p = 0; p < odd; p++) {
-                if (n % 16 == 0)
-                    walsh_hadamard_vectors(a.data() + p * n, n);
-                else
-                    walsh_hadamard(a.data() + p * n, n);
-            }
-            float* rotated = a.data();
-            if (odd > 1) {  // b[i, :] = sum_j F[i, j] a[j, :]
-                for (int64_t i = 0; i < odd; i++) {
-                    float* dst = b.data() + i * n;
-                    std::fill(dst, dst + n, 0.f);
-                    for (int64_t j = 0; j < odd; j++) {
-                        const float weight = odd_factor[i * odd + j];
-                        const float* src = a.data() + j * n;
-                        for (int64_t q = 0; q < n; q++) dst[q] += weight * src[q];
-                    }
-                }
-                rotated = b.data();
-            }
-            char* dst = static_cast<char*>(out) + r * ldout * width;
-            for (int64_t i = 0; i < k; i++) store(dst, kind, i, rotated[i]);
-        }
-    }
+    if (kind == F32)
+        rotate_rows<F32>(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads);
+    else
+        rotate_rows<BF16>(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads);
     return 0;
 }
