@@ -59,4 +59,4 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
                                        const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
                                        const uint16_t* high_scales, const uint16_t* high_zeros,
                                        const int8_t* high_centers, int64_t k_high, float* y, int64_t ldy, int64_t rows,
-                                       int64_t n, int64_t k, int64_t group, int threads);
+                                       int64_t n, int64_t k, int64_t group, int dequantize_weights, int threads);

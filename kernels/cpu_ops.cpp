@@ -143,7 +143,7 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
                               const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
                               const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
                               const std::optional<at::Tensor>& high_zeros,
-                              const std::optional<at::Tensor>& high_centers, int64_t k_high) {
+                              const std::optional<at::Tensor>& high_centers, int64_t k_high, bool dequantize_weights) {
     const int64_t k = x.size(1);
     TORCH_CHECK(x.stride(1) == 1 && plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
                     (!high_codes ||
@@ -155,27 +155,30 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
         static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
         static_cast<const int8_t*>(centers.data_ptr()), data_or_null<uint8_t>(high_codes),
         data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros), data_or_null<int8_t>(high_centers),
-        k_high, y.data_ptr<float>(), y.stride(0), x.size(0), out_features, k, group, at::get_num_threads());
+        k_high, y.data_ptr<float>(), y.stride(0), x.size(0), out_features, k, group, dequantize_weights,
+        at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul_tiles cannot multiply [", x.size(0), ", ", k, "] by a [",
                 out_features, ", ", k, "] weight in groups of ", group, " (status ", status, ")");
     return y;
 }
 
-// Which kernel multiplies (kernels/cpu_quant_matmul.py: tile_rows, dequantize_rows): bfloat16 rows from
-// dequantize_rows on (0: never) oneDNN on the dequantized weight, from tile_rows on (0: never) the AMX kernel; else
-// the VNNI kernel.
+// Which kernel multiplies (kernels/cpu_quant_matmul.py: tile_rows, tile_dequantize_rows, dequantize_rows): bfloat16
+// rows from dequantize_rows on (0: never) oneDNN on the dequantized weight, from tile_rows on (0: never) the AMX
+// kernel, in weights mode from tile_dequantize_rows on (0: never); else the VNNI kernel.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
                         const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
-                        int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t dequantize_rows) {
+                        int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t tile_dequantize_rows,
+                        int64_t dequantize_rows) {
     const bool bfloat16 = x.scalar_type() == at::kBFloat16;
     if (bfloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
         return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
                                                high_scales, high_zeros, high_centers, k_high));
     if (bfloat16 && tile_rows > 0 && x.size(0) >= tile_rows)
         return to_bfloat16(quant_matmul_tiles(x.contiguous(), codes, scales, zeros, centers, group, out_features,
-                                              high_codes, high_scales, high_zeros, high_centers, k_high));
+                                              high_codes, high_scales, high_zeros, high_centers, k_high,
+                                              tile_dequantize_rows > 0 && x.size(0) >= tile_dequantize_rows));
     const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
     at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat));
     quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
@@ -189,7 +192,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, int64_t, c10::SymInt out_features, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t) {
+                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, int64_t) {
     return at::empty_symint({x.sym_size(0), out_features}, x.options());
 }
 
@@ -353,7 +356,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
     m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
-          "int k_high, int input_digits, int tile_rows, int dequantize_rows) -> Tensor");
+          "int k_high, int input_digits, int tile_rows, int tile_dequantize_rows, int dequantize_rows) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
     m.def("quant_matmul_tiles_available() -> bool", &quant_matmul_tiles_available);
     m.def("dequantize_planes(Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "

@@ -5,7 +5,10 @@
 //
 //     sum_k x w = scale * sum_k x (128 + code) + (zero - (128 + center) * scale) * sum_k x
 //
-// (w = (code - center) * scale + zero, one scale and zero per channel and group). Why and when: cpu_quant_matmul.py.
+// (w = (code - center) * scale + zero, one scale and zero per channel and group): "codes mode". Its scaling costs per
+// row and group, so with more rows the kernel instead dequantizes each pair of channel tiles' weights once, to
+// bfloat16 (rounded as oneDNN's path rounds its dequantized weight), and sums every input on the tiles without
+// scaling: "weights mode". Why and when: cpu_quant_matmul.py.
 
 #include <algorithm>
 #include <cstdint>
@@ -149,6 +152,90 @@ void multiply_plane(const Problem& p, const Plane& plane, int64_t t0, uint8_t* u
     }
 }
 
+// Weights mode: every block of channel tile `tile` of the plane, dequantized, as tdpbf16ps's B operand (the layout
+// of unpack_blocks, each value the bfloat16 of (code - center) * scale + zero).
+void dequantize_blocks(const Plane& plane, int64_t group, int64_t tile, uint8_t* out) {
+    const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m512i nibble = _mm512_set1_epi8(15), exponent = _mm512_set1_epi8(0x43);
+    const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000));
+    // _mm512_cvtne2ps_pbh(odd, even) puts even's 16 values in the low half: back to pairs (even, odd) per channel
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t groups = plane.k / group, blocks = group / BLOCK_K;
+    const uint8_t* codes = plane.codes + tile * (plane.k / BLOCK_K) * 4 * 64;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = (tile * groups + g) * TILE_N;
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.scales + at)));
+        const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
+        // w = (128 + code) * scale + offset, (128 + code) being the bfloat16 codes mode multiplies
+        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f + plane.centers[g * blocks]), scale, zero);
+        for (int64_t slice = g * blocks * 4; slice < (g + 1) * blocks * 4; slice++) {
+            const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(codes + slice * 64), pairs);
+            const __m512i low = _mm512_and_si512(bytes, nibble);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+            const __m512i rows[4] = {_mm512_unpacklo_epi8(low, exponent), _mm512_unpackhi_epi8(low, exponent),
+                                     _mm512_unpacklo_epi8(high, exponent), _mm512_unpackhi_epi8(high, exponent)};
+            for (int r = 0; r < 4; r++) {  // a row's 32 bfloat16 codes as floats: even inputs, then odd ones
+                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(rows[r], 16));
+                const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(rows[r], high_half));
+                const __m512i both = __m512i(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(odd, scale, offset),
+                                                                 _mm512_fmadd_ps(even, scale, offset)));
+                _mm512_store_si512(out + (slice * 4 + r) * 64, _mm512_permutexvar_epi16(interleave, both));
+            }
+        }
+    }
+}
+
+// Weights mode: tiles 0-3 += rows m0 .. m0 + 32 of x times `blocks` dequantized blocks (w0: channel tile t0's, w1:
+// t0 + 1's).
+template <bool two_tiles, bool two_row_tiles>
+void multiply_weights(const Problem& p, const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t m0) {
+    const bool padded = p.rows > 2 * TILE_ROWS && m0 + 2 * TILE_ROWS > p.rows;
+    const uint16_t* x = padded ? p.tail : p.x + m0 * p.ldx;
+    const int64_t stride = (padded ? p.k : p.ldx) * 2;
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_loadd(6, w0 + b * BLOCK_BYTES, 64);
+        if constexpr (two_tiles) _tile_loadd(7, w1 + b * BLOCK_BYTES, 64);
+        _tile_loadd(4, x + b * BLOCK_K, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (two_tiles) _tile_dpbf16ps(1, 4, 7);
+        if constexpr (two_row_tiles) {
+            _tile_loadd(5, x + TILE_ROWS * stride / 2 + b * BLOCK_K, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if constexpr (two_tiles) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+// Weights mode for channel tiles t0 (and t0 + 1): their planes dequantized into `buffer`, then every row.
+template <bool two_tiles, bool two_row_tiles>
+void multiply_dequantized(const Problem& p, const Plane* planes, int count, int64_t t0, uint8_t* buffer, float* sums) {
+    const uint8_t* weights[2][2];
+    uint8_t* next = buffer;
+    for (int q = 0; q < count; q++)
+        for (int t = 0; t < (two_tiles ? 2 : 1); t++) {
+            dequantize_blocks(planes[q], p.group, t0 + t, next);
+            weights[q][t] = next;
+            next += planes[q].k / BLOCK_K * BLOCK_BYTES;
+        }
+    for (int64_t m0 = 0; m0 < p.rows; m0 += 2 * TILE_ROWS) {
+        _tile_zero(0);
+        if constexpr (two_tiles) _tile_zero(1);
+        if constexpr (two_row_tiles) _tile_zero(2);
+        if constexpr (two_tiles && two_row_tiles) _tile_zero(3);
+        for (int q = 0; q < count; q++)
+            multiply_weights<two_tiles, two_row_tiles>(p, weights[q][0], weights[q][two_tiles ? 1 : 0],
+                                                       planes[q].k / BLOCK_K, m0);
+        _tile_stored(0, sums, 128);
+        if constexpr (two_tiles) _tile_stored(1, sums + 16, 128);
+        if constexpr (two_row_tiles) _tile_stored(2, sums + 16 * 32, 128);
+        if constexpr (two_tiles && two_row_tiles) _tile_stored(3, sums + 16 * 32 + 16, 128);
+        const int64_t rows = std::min<int64_t>(2 * TILE_ROWS, p.rows - m0);
+        for (int64_t r = 0; r < rows; r++)
+            std::copy_n(sums + r * 2 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, p.y + (m0 + r) * p.ldy + t0 * TILE_N);
+    }
+}
+
 }  // namespace
 #endif
 
@@ -162,20 +249,21 @@ extern "C" int qrun_quant_matmul_tiles_available() {
 }
 
 // y [rows, n] (float32, row stride ldy) = x W^T (+ x[:, :k_high] W_high^T where high_codes), x bfloat16 [rows, k]
-// (row stride ldx), the planes in cpu_quant_matmul.cpp's layout. 0: done; 1: shapes the layout does not cover;
-// 2: no kernel in this build, or no tiles for this process.
+// (row stride ldx), the planes in cpu_quant_matmul.cpp's layout; in weights mode where dequantize_weights, else
+// in codes mode. 0: done; 1: shapes the layout does not cover; 2: no kernel in this build, or no tiles for this
+// process.
 extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
                                        const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
                                        const uint16_t* high_scales, const uint16_t* high_zeros,
                                        const int8_t* high_centers, int64_t k_high, float* y, int64_t ldy, int64_t rows,
-                                       int64_t n, int64_t k, int64_t group, int threads) {
+                                       int64_t n, int64_t k, int64_t group, int dequantize_weights, int threads) {
 #ifdef QRUN_HAS_AMX
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
         return 1;
     if (!tiles_permitted()) return 2;
     const int64_t groups = k / group;
-    std::vector<float> group_sums(rows * groups);
-    for (int64_t m = 0; m < rows; m++)
+    std::vector<float> group_sums(dequantize_weights ? 0 : rows * groups);
+    for (int64_t m = 0; m < rows && !dequantize_weights; m++)
         for (int64_t g = 0; g < groups; g++) {
             __m512 sum = _mm512_setzero_ps();
             for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
@@ -194,22 +282,33 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
     const int64_t tiles = n / TILE_N;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<uint8_t> storage(2 * (group / BLOCK_K) * BLOCK_BYTES + 64);  // a group of two channel tiles
+        // codes mode: a group of two channel tiles, unpacked; weights mode: both planes of two channel tiles
+        const int64_t blocks = dequantize_weights ? 2 * (k / BLOCK_K) : group / BLOCK_K;
+        std::vector<uint8_t> storage(2 * blocks * BLOCK_BYTES + 64);
         const uintptr_t aligned = (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63);
-        uint8_t* unpacked = reinterpret_cast<uint8_t*>(aligned);
+        uint8_t* buffer = reinterpret_cast<uint8_t*>(aligned);
         alignas(64) float sums[2 * TILE_ROWS * 2 * TILE_N];
         configure(int(std::min<int64_t>(rows, TILE_ROWS)), int(std::clamp<int64_t>(rows - TILE_ROWS, 0, TILE_ROWS)));
+        const int count = high_codes ? 2 : 1;
+        const bool two_row_tiles = rows > TILE_ROWS;
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < (tiles + 1) / 2; pair++) {
             const int64_t t0 = 2 * pair;
             const bool two_tiles = t0 + 1 < tiles;
+            if (dequantize_weights) {
+                if (two_tiles && two_row_tiles) multiply_dequantized<true, true>(p, planes, count, t0, buffer, sums);
+                else if (two_tiles) multiply_dequantized<true, false>(p, planes, count, t0, buffer, sums);
+                else if (two_row_tiles) multiply_dequantized<false, true>(p, planes, count, t0, buffer, sums);
+                else multiply_dequantized<false, false>(p, planes, count, t0, buffer, sums);
+                continue;
+            }
             for (int64_t m = 0; m < rows; m++)
                 std::fill_n(y + m * ldy + t0 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, 0.f);
-            for (int q = 0; q < (high_codes ? 2 : 1); q++) {
+            for (int q = 0; q < count; q++) {
                 if (two_tiles)
-                    multiply_plane<true>(p, planes[q], t0, unpacked, sums);
+                    multiply_plane<true>(p, planes[q], t0, buffer, sums);
                 else
-                    multiply_plane<false>(p, planes[q], t0, unpacked, sums);
+                    multiply_plane<false>(p, planes[q], t0, buffer, sums);
             }
         }
         _tile_release();

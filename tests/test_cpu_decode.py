@@ -71,14 +71,18 @@ def test_cpu_decode_layers_follow_bfloat16_only(tiny_llama64_dir):
 
 
 @pytest.mark.skipif(not cpu_quant_matmul.available(), reason="the 4-bit C++ matmul needs AVX512-VNNI")
-@pytest.mark.parametrize("batch, tile_rows, dequantize_rows", [(1, 0, 0), (5, 0, 0), (5, 4, 0), (5, 0, 4)])
+@pytest.mark.parametrize("batch, tile_rows, tile_dequantize_rows, dequantize_rows",
+                         [(1, 0, 0, 0), (5, 0, 0, 0), (5, 4, 0, 0), (5, 4, 4, 0), (5, 0, 0, 4)])
 def test_cpu_decode_layers_run_a_mixed_bit_model_as_the_torch_layers(tiny_llama64_dir, calib_file, tmp_path,
-                                                                     monkeypatch, batch, tile_rows, dequantize_rows):
+                                                                     monkeypatch, batch, tile_rows,
+                                                                     tile_dequantize_rows, dequantize_rows):
     """Rotated inputs (shared and per linear), act-order permutations, 5-8-bit groups' high digits;
-    and on AMX CPUs the tile kernel or oneDNN on the dequantized weights, by the rows (forced here)."""
+    and on AMX CPUs the tile kernel (codes or weights mode) or oneDNN on the dequantized weights, by
+    the rows (forced here)."""
     if tile_rows and not cpu_quant_matmul.tile_rows():
         pytest.skip("no AMX kernel on this machine")
     monkeypatch.setattr(cpu_quant_matmul, "tile_rows", lambda: tile_rows)
+    monkeypatch.setattr(cpu_quant_matmul, "tile_dequantize_rows", lambda group: tile_dequantize_rows)
     monkeypatch.setattr(cpu_quant_matmul, "dequantize_rows", lambda: dequantize_rows)
     converted = tmp_path / "llama-q"
     convert(tiny_llama64_dir, converted, bits=5.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])

@@ -15,9 +15,10 @@ pytestmark = pytest.mark.skipif(not cqm.available(), reason="no AVX512-VNNI kern
 needs_tiles = pytest.mark.skipif(not cqm.tile_rows(), reason="no AMX kernel on this machine")
 
 
-def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0):
+def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0, tile_dequantize_rows=0):
     """The op with its kernel chosen here rather than by the machine."""
-    return torch.ops.qrun.quant_matmul(x, *low, group, n, *high, k_high, digits, tile_rows, dequantize_rows)
+    return torch.ops.qrun.quant_matmul(x, *low, group, n, *high, k_high, digits, tile_rows, tile_dequantize_rows,
+                                       dequantize_rows)
 
 
 @st.composite
@@ -55,17 +56,20 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
     assert ((got - ref).norm() / ref.norm()) < (3e-2 if digits == 1 else 1e-4)
 
 
-@pytest.mark.parametrize("tile_rows", [0, pytest.param(1, marks=needs_tiles)], ids=["vnni", "amx"])
+@pytest.mark.parametrize("tile_rows, tile_dequantize_rows", [(0, 0), pytest.param(1, 0, marks=needs_tiles),
+                                                               pytest.param(1, 1, marks=needs_tiles)],
+                         ids=["vnni", "amx-codes", "amx-weights"])
 @settings(max_examples=20, deadline=None)
 @given(weights(), st.integers(2, 70), st.sampled_from([1, 2]))
-def test_each_kernel_computes_a_row_as_if_alone(tile_rows, shape, rows, digits):
+def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows, shape, rows, digits):
     """VNNI: rows in groups of 6; AMX: rows 1-16, 17-32 and a zero-padded copy of those past the last 32."""
     n, k, group, k_high, seed = shape
     low, high = planes(n, k, group, k_high, seed)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    batched = op(x, low, group, n, high, k_high, digits, tile_rows)
+    kernel = dict(digits=digits, tile_rows=tile_rows, tile_dequantize_rows=tile_dequantize_rows)
+    batched = op(x, low, group, n, high, k_high, **kernel)
     for i in range(rows):
-        assert torch.equal(batched[i:i + 1], op(x[i:i + 1], low, group, n, high, k_high, digits, tile_rows))
+        assert torch.equal(batched[i:i + 1], op(x[i:i + 1], low, group, n, high, k_high, **kernel))
 
 
 @needs_tiles
@@ -82,6 +86,24 @@ def test_tile_kernel_matches_the_reference_within_bfloat16_output_rounding(shape
     torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
 
 
+@needs_tiles
+@settings(max_examples=40, deadline=None)
+@given(weights(), st.integers(1, 70))
+def test_tile_kernel_in_weights_mode_matches_the_reference_within_bfloat16_weights(shape, rows):
+    """Weights mode rounds each plane's weights to bfloat16 (at most 2^-9 of each) before the float32 sums."""
+    n, k, group, k_high, seed = shape
+    low, high = planes(n, k, group, k_high, seed)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    got = op(x, low, group, n, high, k_high, tile_rows=1, tile_dequantize_rows=1).double()
+    weights = [cqm.unpack(*low, group, n).double()] + ([cqm.unpack(*high, group, n).double()] if k_high else [])
+    ref = x.double() @ weights[0].T
+    magnitude = x.double().abs() @ weights[0].abs().T
+    if k_high:
+        ref += x[:, :k_high].double() @ weights[1].T
+        magnitude += x[:, :k_high].double().abs() @ weights[1].abs().T
+    assert ((got - ref).abs() <= 2**-8 * ref.abs() + 2**-8 * magnitude + 1e-6).all()
+
+
 @settings(deadline=None)
 @given(weights())
 def test_pack_then_unpack_gives_the_weight(shape):
@@ -89,9 +111,10 @@ def test_pack_then_unpack_gives_the_weight(shape):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g)
     scales, zeros = torch.rand(n, k // group, generator=g), torch.randn(n, k // group, generator=g)
-    expected = (codes.float() - 8).view(n, -1, group) * scales[..., None] + zeros[..., None]
     unpacked = cqm.unpack(*cqm.pack(codes, scales, zeros), group, n)
-    torch.testing.assert_close(unpacked, expected.view(n, k), rtol=2e-3, atol=2e-3)  # float16 scales and zeros
+    scales, zeros = scales.half().float(), zeros.half().float()  # as packed
+    expected = (codes.float() - 8).view(n, -1, group) * scales[..., None] + zeros[..., None]
+    torch.testing.assert_close(unpacked, expected.view(n, k), rtol=1e-6, atol=1e-6)
 
 
 def test_a_weight_of_the_wrong_shape_is_rejected_with_its_shapes():
@@ -128,7 +151,8 @@ def test_dequantize_planes_gives_the_unpacked_weight_rounded_once(shape):
 
 @needs_tiles
 def test_the_op_picks_its_kernel_by_the_rows(monkeypatch):
-    """bfloat16 rows: the VNNI kernel, from tile_rows() rows on the AMX kernel, from dequantize_rows()
+    """bfloat16 rows: the VNNI kernel, from tile_rows() rows on the AMX kernel (in weights mode from
+    tile_dequantize_rows(group)), from dequantize_rows()
     on oneDNN with the dequantized weight; float32 rows: the VNNI kernel (thresholds forced here)."""
     monkeypatch.setattr(cqm, "tile_rows", lambda: 2)
     monkeypatch.setattr(cqm, "dequantize_rows", lambda: 4)
@@ -137,6 +161,11 @@ def test_the_op_picks_its_kernel_by_the_rows(monkeypatch):
     assert torch.equal(cqm.quant_matmul(x[:1], *low, 64, 32, *high, 64, 1), op(x[:1], low, 64, 32, high, 64))
     assert torch.equal(cqm.quant_matmul(x[:3], *low, 64, 32, *high, 64, 1),
                        op(x[:3], low, 64, 32, high, 64, tile_rows=1))
+    monkeypatch.setattr(cqm, "tile_dequantize_rows", lambda group: 3)
+    assert torch.equal(cqm.quant_matmul(x[:3], *low, 64, 32, *high, 64, 1),
+                       op(x[:3], low, 64, 32, high, 64, tile_rows=1, tile_dequantize_rows=1))
+    assert not torch.equal(op(x[:3], low, 64, 32, high, 64, tile_rows=1),
+                           op(x[:3], low, 64, 32, high, 64, tile_rows=1, tile_dequantize_rows=1))
     weight = cqm.dequantize_planes(*low, 64, 32, *high, 64)
     assert torch.equal(cqm.quant_matmul(x, *low, 64, 32, *high, 64, 1), torch.nn.functional.linear(x, weight))
     assert torch.equal(cqm.quant_matmul(x.float(), *low, 64, 32, *high, 64, 1), op(x.float(), low, 64, 32, high, 64))
