@@ -59,7 +59,7 @@ import torch
 from qrun.kernels import cpu_int4, cpu_library
 
 TILE_N, BLOCK_K = 16, 32
-TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 256  # tile_rows(), dequantize_rows()
+TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 384  # tile_rows(), dequantize_rows()
 
 
 @functools.cache
@@ -153,10 +153,11 @@ def tile_dequantize_rows(group: int) -> int:
 def dequantize_rows() -> int:
     """From how many rows of bfloat16 inputs `quant_matmul` dequantizes the weight to bfloat16 and
     lets oneDNN multiply (0: never). On CPUs with AMX oneDNN's bfloat16 matmul runs on the tile
-    unit; against the AMX kernel, whose per-group scaling costs more with the rows, it wins from
-    ~256 rows (3072 x 576 at 256 rows: 0.87 ms with the dequantization against 1.07 ms; 576 x 1536
-    0.58 against 0.38); against the VNNI kernel from far fewer (at 512 rows 0.85 + ~0.2 ms against
-    14 ms). Without AMX the VNNI kernel was the faster at every row count (1.3x oneDNN at 512 rows
+    unit; against the AMX kernel in weights mode it wins from ~400 rows (SmolLM2's 120 layer
+    linears, 30 layers' distinct weights, on a 2-core Xeon: 60-63 ms with the dequantization
+    against 44-48 in weights mode at 256 rows, 77-82 against 86-90 at 512, groups of 32 or 96;
+    oneDNN on the dense weights 68); against the VNNI kernel from far fewer (at 512 rows 0.85 +
+    ~0.2 ms against 14 ms for one 3072 x 576 matrix). Without AMX the VNNI kernel was the faster at every row count (1.3x oneDNN at 512 rows
     on an AVX512-BF16 EPYC)."""
     if not _has_amx():
         return 0
