@@ -157,8 +157,8 @@ def dequantize_rows() -> int:
     linears, 30 layers' distinct weights, on a 2-core Xeon: 60-63 ms with the dequantization
     against 44-48 in weights mode at 256 rows, 77-82 against 86-90 at 512, groups of 32 or 96;
     oneDNN on the dense weights 68); against the VNNI kernel from far fewer (at 512 rows 0.85 +
-    ~0.2 ms against 14 ms for one 3072 x 576 matrix). Without AMX the VNNI kernel was the faster at every row count (1.3x oneDNN at 512 rows
-    on an AVX512-BF16 EPYC)."""
+    ~0.2 ms against 14 ms for one 3072 x 576 matrix). Without AMX the VNNI kernel was the faster at
+    every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
     if not _has_amx():
         return 0
     return TILED_DEQUANTIZE_ROWS if tile_rows() else cpu_int4.DEQUANTIZE_ROWS

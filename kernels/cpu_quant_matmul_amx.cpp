@@ -90,36 +90,54 @@ struct Problem {
     int64_t ldy;
 };
 
+// Tiles 0-3 += rows m0 .. m0 + 32 of x's inputs in blocks [first, first + blocks) times `blocks` B operands from w0
+// (channel tile t0's) and w1 (t0 + 1's).
+template <bool two_tiles, bool two_row_tiles>
+void multiply_blocks(const Problem& p, const uint8_t* w0, const uint8_t* w1, int64_t first, int64_t blocks,
+                     int64_t m0) {
+    const bool padded = p.rows > 2 * TILE_ROWS && m0 + 2 * TILE_ROWS > p.rows;
+    const uint16_t* x = (padded ? p.tail : p.x + m0 * p.ldx) + first * BLOCK_K;
+    const int64_t stride = (padded ? p.k : p.ldx) * 2;
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_loadd(6, w0 + b * BLOCK_BYTES, 64);
+        if constexpr (two_tiles) _tile_loadd(7, w1 + b * BLOCK_BYTES, 64);
+        _tile_loadd(4, x + b * BLOCK_K, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (two_tiles) _tile_dpbf16ps(1, 4, 7);
+        if constexpr (two_row_tiles) {
+            _tile_loadd(5, x + TILE_ROWS * stride / 2 + b * BLOCK_K, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if constexpr (two_tiles) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+template <bool two_tiles, bool two_row_tiles>
+void zero_sums() {
+    _tile_zero(0);
+    if constexpr (two_tiles) _tile_zero(1);
+    if constexpr (two_row_tiles) _tile_zero(2);
+    if constexpr (two_tiles && two_row_tiles) _tile_zero(3);
+}
+
+// sums: [32 rows][32 channels] float32
+template <bool two_tiles, bool two_row_tiles>
+void store_sums(float* sums) {
+    _tile_stored(0, sums, 128);
+    if constexpr (two_tiles) _tile_stored(1, sums + 16, 128);
+    if constexpr (two_row_tiles) _tile_stored(2, sums + 16 * 32, 128);
+    if constexpr (two_tiles && two_row_tiles) _tile_stored(3, sums + 16 * 32 + 16, 128);
+}
+
 // y[m0 .. m0 + rows, channel tiles t0, t0 + 1 (if two)] += group g of the plane (unpacked: its blocks, channel tile
 // t0's, then t0 + 1's): the group's sums on the tiles, then scaled into y.
 template <bool two_tiles, bool two_row_tiles>
 void multiply_group(const Problem& p, const Plane& plane, const uint8_t* unpacked, int64_t g, int64_t t0, int64_t m0,
                     int rows, float* sums) {
     const int64_t blocks = p.group / BLOCK_K, first = g * blocks;
-    const bool padded = p.rows > 2 * TILE_ROWS && m0 + 2 * TILE_ROWS > p.rows;
-    const uint16_t* x = padded ? p.tail : p.x + m0 * p.ldx;
-    const int64_t stride = (padded ? p.k : p.ldx) * 2;
-    _tile_zero(0);
-    if constexpr (two_tiles) _tile_zero(1);
-    if constexpr (two_row_tiles) _tile_zero(2);
-    if constexpr (two_tiles && two_row_tiles) _tile_zero(3);
-    for (int64_t b = 0; b < blocks; b++) {
-        _tile_loadd(6, unpacked + b * BLOCK_BYTES, 64);
-        if constexpr (two_tiles) _tile_loadd(7, unpacked + (blocks + b) * BLOCK_BYTES, 64);
-        _tile_loadd(4, x + (first + b) * BLOCK_K, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (two_tiles) _tile_dpbf16ps(1, 4, 7);
-        if constexpr (two_row_tiles) {
-            _tile_loadd(5, x + TILE_ROWS * stride / 2 + (first + b) * BLOCK_K, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if constexpr (two_tiles) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    // sums: [32 rows][32 channels] float32
-    _tile_stored(0, sums, 128);
-    if constexpr (two_tiles) _tile_stored(1, sums + 16, 128);
-    if constexpr (two_row_tiles) _tile_stored(2, sums + 16 * 32, 128);
-    if constexpr (two_tiles && two_row_tiles) _tile_stored(3, sums + 16 * 32 + 16, 128);
+    zero_sums<two_tiles, two_row_tiles>();
+    multiply_blocks<two_tiles, two_row_tiles>(p, unpacked, unpacked + blocks * BLOCK_BYTES, first, blocks, m0);
+    store_sums<two_tiles, two_row_tiles>(sums);
     const int64_t groups = p.k / p.group;
     for (int t = 0; t < (two_tiles ? 2 : 1); t++) {
         const int64_t at = ((t0 + t) * (plane.k / p.group) + g) * TILE_N;
@@ -186,27 +204,6 @@ void dequantize_blocks(const Plane& plane, int64_t group, int64_t tile, uint8_t*
     }
 }
 
-// Weights mode: tiles 0-3 += rows m0 .. m0 + 32 of x times `blocks` dequantized blocks (w0: channel tile t0's, w1:
-// t0 + 1's).
-template <bool two_tiles, bool two_row_tiles>
-void multiply_weights(const Problem& p, const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t m0) {
-    const bool padded = p.rows > 2 * TILE_ROWS && m0 + 2 * TILE_ROWS > p.rows;
-    const uint16_t* x = padded ? p.tail : p.x + m0 * p.ldx;
-    const int64_t stride = (padded ? p.k : p.ldx) * 2;
-    for (int64_t b = 0; b < blocks; b++) {
-        _tile_loadd(6, w0 + b * BLOCK_BYTES, 64);
-        if constexpr (two_tiles) _tile_loadd(7, w1 + b * BLOCK_BYTES, 64);
-        _tile_loadd(4, x + b * BLOCK_K, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (two_tiles) _tile_dpbf16ps(1, 4, 7);
-        if constexpr (two_row_tiles) {
-            _tile_loadd(5, x + TILE_ROWS * stride / 2 + b * BLOCK_K, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if constexpr (two_tiles) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-}
-
 // Weights mode for channel tiles t0 (and t0 + 1): their planes dequantized into `buffer`, then every row.
 template <bool two_tiles, bool two_row_tiles>
 void multiply_dequantized(const Problem& p, const Plane* planes, int count, int64_t t0, uint8_t* buffer, float* sums) {
@@ -219,17 +216,11 @@ void multiply_dequantized(const Problem& p, const Plane* planes, int count, int6
             next += planes[q].k / BLOCK_K * BLOCK_BYTES;
         }
     for (int64_t m0 = 0; m0 < p.rows; m0 += 2 * TILE_ROWS) {
-        _tile_zero(0);
-        if constexpr (two_tiles) _tile_zero(1);
-        if constexpr (two_row_tiles) _tile_zero(2);
-        if constexpr (two_tiles && two_row_tiles) _tile_zero(3);
+        zero_sums<two_tiles, two_row_tiles>();
         for (int q = 0; q < count; q++)
-            multiply_weights<two_tiles, two_row_tiles>(p, weights[q][0], weights[q][two_tiles ? 1 : 0],
-                                                       planes[q].k / BLOCK_K, m0);
-        _tile_stored(0, sums, 128);
-        if constexpr (two_tiles) _tile_stored(1, sums + 16, 128);
-        if constexpr (two_row_tiles) _tile_stored(2, sums + 16 * 32, 128);
-        if constexpr (two_tiles && two_row_tiles) _tile_stored(3, sums + 16 * 32 + 16, 128);
+            multiply_blocks<two_tiles, two_row_tiles>(p, weights[q][0], weights[q][two_tiles ? 1 : 0], 0,
+                                                      planes[q].k / BLOCK_K, m0);
+        store_sums<two_tiles, two_row_tiles>(sums);
         const int64_t rows = std::min<int64_t>(2 * TILE_ROWS, p.rows - m0);
         for (int64_t r = 0; r < rows; r++)
             std::copy_n(sums + r * 2 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, p.y + (m0 + r) * p.ldy + t0 * TILE_N);

@@ -44,6 +44,13 @@ def planes(n: int, k: int, group: int, k_high: int, seed: int):
     return plane(k), plane(k_high)
 
 
+def problem(shape, rows: int):
+    """The planes of `shape` and `rows` bfloat16 inputs for them."""
+    n, k, group, k_high, seed = shape
+    low, high = planes(n, k, group, k_high, seed)
+    return low, high, torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
 @settings(max_examples=40, deadline=None)
 @given(weights(), st.integers(1, 20), st.sampled_from([1, 2]))
 def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, digits):
@@ -63,9 +70,8 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
 @given(weights(), st.integers(2, 70), st.sampled_from([1, 2]))
 def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows, shape, rows, digits):
     """VNNI: rows in groups of 6; AMX: rows 1-16, 17-32 and a zero-padded copy of those past the last 32."""
-    n, k, group, k_high, seed = shape
-    low, high = planes(n, k, group, k_high, seed)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    n, k, group, k_high, _ = shape
+    low, high, x = problem(shape, rows)
     kernel = dict(digits=digits, tile_rows=tile_rows, tile_dequantize_rows=tile_dequantize_rows)
     batched = op(x, low, group, n, high, k_high, **kernel)
     for i in range(rows):
@@ -77,9 +83,8 @@ def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows,
 @given(weights(), st.integers(1, 70))
 def test_tile_kernel_matches_the_reference_within_bfloat16_output_rounding(shape, rows):
     """x enters the tiles unrounded and the codes exactly: only float32 sums and the output's rounding."""
-    n, k, group, k_high, seed = shape
-    low, high = planes(n, k, group, k_high, seed)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    n, k, group, k_high, _ = shape
+    low, high, x = problem(shape, rows)
     got = op(x, low, group, n, high, k_high, tile_rows=1)
     ref = cqm.quant_matmul_ref(x.float(), *low, group, n, *high, k_high, 1)
     assert got.dtype == torch.bfloat16
@@ -91,9 +96,8 @@ def test_tile_kernel_matches_the_reference_within_bfloat16_output_rounding(shape
 @given(weights(), st.integers(1, 70))
 def test_tile_kernel_in_weights_mode_matches_the_reference_within_bfloat16_weights(shape, rows):
     """Weights mode rounds each plane's weights to bfloat16 (at most 2^-9 of each) before the float32 sums."""
-    n, k, group, k_high, seed = shape
-    low, high = planes(n, k, group, k_high, seed)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    n, k, group, k_high, _ = shape
+    low, high, x = problem(shape, rows)
     got = op(x, low, group, n, high, k_high, tile_rows=1, tile_dequantize_rows=1).double()
     weights = [cqm.unpack(*low, group, n).double()] + ([cqm.unpack(*high, group, n).double()] if k_high else [])
     ref = x.double() @ weights[0].T
