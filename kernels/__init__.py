@@ -3,7 +3,7 @@ references.
 
 `QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
 the CPU the C++ kernels where an op has one (paged attention's decode rows:
-`kernels/cpu_attention.py`; the input rotation: `kernels/cpu_rotation.py`; RMSNorm:
+`kernels/cpu_attention.py`; the rotation and its inverse: `kernels/cpu_rotation.py`; RMSNorm:
 `kernels/cpu_norm.py`; the quantized cache store: `kernels/cpu_kv_store.py`; built at first use
 by `kernels/cpu_library.py`) and the torch references
 for the rest, or the references alone where no C++ compiler builds them. Every
@@ -24,7 +24,7 @@ from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
-from qrun.kernels.rotation import rotate
+from qrun.kernels.rotation import rotate, unrotate
 
 _CHOICES = ("auto", "torch", "triton", "cpu")
 
@@ -37,6 +37,7 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "dequant_matmul": {"torch": dequant_matmul_ref, "triton": dequant_matmul_triton},
     # GPUs rotate through torch's matmuls (cuBLAS): a kernel of its own did not pay there
     "rotate": {"torch": rotate, "triton": rotate, "cpu": cpu_rotation.rotate_cpu},
+    "unrotate": {"torch": unrotate, "triton": unrotate, "cpu": cpu_rotation.unrotate_cpu},
 }
 
 

@@ -6,14 +6,13 @@
 // kernels, as in the eager layer.
 
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/matmul.h>
 #include <ATen/ops/silu.h>
-#include <ATen/ops/sub.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
@@ -24,7 +23,10 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#include "cpu_kernels.h"
 
 // Products and sums rounded where torch's ops round them (fused multiply-adds only where written): a bfloat16
 // model's greedy tokens must stay those of eager.
@@ -169,9 +171,13 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
 
     // A quantized cache's transforms (qrun/kv_cache.py): keys centred on their layer's mean, then q, k and v
-    // rotated (the attention's output rotated back).
-    void set_cache_transforms(std::optional<at::Tensor> rotation, std::optional<at::Tensor> key_mean) {
-        rotation_ = std::move(rotation);
+    // rotated (the attention's output rotated back) by kernels/cpu_rotation.cpp with `signs` and `odd_factor`.
+    void set_cache_transforms(std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
+                              std::optional<at::Tensor> key_mean) {
+        TORCH_CHECK(!key_mean || (key_mean->is_contiguous() && key_mean->numel() == num_kv_heads_ * head_dim_),
+                    "DecodeLayer.set_cache_transforms: key_mean must be contiguous [kv heads, head_dim]");
+        rotation_signs_ = std::move(signs);
+        rotation_odd_factor_ = std::move(odd_factor);
         key_mean_ = std::move(key_mean);
     }
 
@@ -224,8 +230,9 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
 
     // A quantized cache: the eager layer's ops in its order (qrun/model.py's Attention.heads), so the same bytes
-    // reach the cache: rotary rounded to T, the key mean off, the rotation, the quantizing store
-    // (kernels/cpu_kv_store.cpp), the attention over the quantized cache, its output rotated back.
+    // reach the cache: rotary rounded to T, the key mean off (rounded to T, as torch's subtraction), the rotation,
+    // the quantizing store (kernels/cpu_kv_store.cpp), the attention over the quantized cache, its output rotated
+    // back.
     template <typename T>
     at::Tensor quantized_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -235,29 +242,40 @@ class DecodeLayer : public torch::CustomClassHolder {
                                                   const at::Tensor&, at::Tensor&, at::Tensor&)>(
             "qrun::store_kv_quantized");
         const int64_t rows = qkv.size(0), dim = head_dim_;
-        at::Tensor queries = at::empty({rows, num_heads_, dim}, qkv.options());
-        at::Tensor keys = at::empty({rows, num_kv_heads_, dim}, qkv.options());
-        at::Tensor values = qkv.narrow(1, (num_heads_ + num_kv_heads_) * dim, num_kv_heads_ * dim)
-                                .view({rows, num_kv_heads_, dim});
+        const at::Tensor queries = at::empty({rows, num_heads_, dim}, qkv.options());
+        const at::Tensor keys = at::empty({rows, num_kv_heads_, dim}, qkv.options());
+        const at::Tensor values = qkv.narrow(1, (num_heads_ + num_kv_heads_) * dim, num_kv_heads_ * dim)
+                                      .contiguous().view({rows, num_kv_heads_, dim});
+        const T* mean = key_mean_ ? key_mean_->data_ptr<T>() : nullptr;
         rotated_heads<T>(
             qkv, positions, cos_sin,
             [&](int64_t r, int64_t h, const T* q) {
                 std::copy(q, q + dim, queries.data_ptr<T>() + (r * num_heads_ + h) * dim);
             },
             [&](int64_t r, int64_t h, const T* k) {
-                std::copy(k, k + dim, keys.data_ptr<T>() + (r * num_kv_heads_ + h) * dim);
+                T* out = keys.data_ptr<T>() + (r * num_kv_heads_ + h) * dim;
+                for (int64_t d = 0; d < dim; d++) out[d] = mean ? T(float(k[d]) - float(mean[h * dim + d])) : k[d];
             });
-        if (key_mean_) keys = at::sub(keys, *key_mean_);
-        if (rotation_) {
-            queries = at::matmul(queries, *rotation_);
-            keys = at::matmul(keys, *rotation_);
-            values = at::matmul(values, *rotation_);
-        }
+        for (const at::Tensor& heads : {queries, keys, values}) rotate_heads<T>(heads, false);
         at::Tensor k_cache = cache.k, v_cache = cache.v, k_scales = *cache.k_scales, v_scales = *cache.v_scales;
         store.call(keys, values, k_cache, v_cache, slot_mapping, k_scales, v_scales);
         const at::Tensor attended = attention(queries, block_tables, seq_lens, query_start_loc, cache)
                                         .to(qkv.scalar_type());
-        return rotation_ ? at::matmul(attended, rotation_->t()) : attended;
+        rotate_heads<T>(attended, true);
+        return attended;
+    }
+
+    // Every head_dim_ row of the contiguous `heads` rotated in place (inverse: rotated back), as the kernel table's
+    // rotate / unrotate ops do it; nothing without a rotation.
+    template <typename T>
+    void rotate_heads(const at::Tensor& heads, bool inverse) const {
+        if (!rotation_signs_) return;
+        const int64_t odd = rotation_odd_factor_ ? rotation_odd_factor_->size(0) : 1;
+        const int status = qrun_rotate(heads.data_ptr(), head_dim_, heads.data_ptr(), head_dim_,
+                                       std::is_same_v<T, float> ? 0 : 1, rotation_signs_->data_ptr<float>(),
+                                       rotation_odd_factor_ ? rotation_odd_factor_->data_ptr<float>() : nullptr, odd,
+                                       heads.numel() / head_dim_, head_dim_, inverse, at::get_num_threads());
+        TORCH_CHECK(status == 0, "DecodeLayer: no rotation of ", head_dim_, " values");
     }
 
     // kernels/cpu_norm.cpp, as the eager layers' RMSNorm on the CPU: (normed, x + residual)
@@ -316,7 +334,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         });
     }
 
-    std::optional<at::Tensor> rotation_, key_mean_;
+    std::optional<at::Tensor> rotation_signs_, rotation_odd_factor_, key_mean_;
     at::Tensor input_norm_, post_attention_norm_;
     double eps_;
     int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -239,24 +239,34 @@ at::Tensor gather_columns_shape(const at::Tensor& x, const at::Tensor& index) {
     return at::empty_symint({x.sym_size(0), index.sym_size(0)}, x.options());
 }
 
-// odd_factor: rotation.py's factor for K's odd part, or None where K is a power of two.
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor) {
+// odd_factor: rotation.py's factor for K's odd part, or None where K is a power of two. inverse: unrotate.
+at::Tensor rotate_or_unrotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor,
+                              bool inverse) {
+    const char* name = inverse ? "unrotate" : "rotate";
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-                "rotate: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
+                name, ": x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
                 x.sizes());
     TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.is_contiguous() && signs.numel() == x.size(1),
-                "rotate: signs must be float32 [", x.size(1), "]");
+                name, ": signs must be float32 [", x.size(1), "]");
     TORCH_CHECK(!odd_factor || (odd_factor->scalar_type() == at::kFloat && odd_factor->is_contiguous() &&
                                 odd_factor->dim() == 2 && odd_factor->size(0) == odd_factor->size(1)),
-                "rotate: odd_factor must be a square contiguous float32 matrix");
+                name, ": odd_factor must be a square contiguous float32 matrix");
     const int64_t odd = odd_factor ? odd_factor->size(0) : 1;
     at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
     const int status = qrun_rotate(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
                                    x.scalar_type() == at::kFloat ? 0 : 1, signs.data_ptr<float>(),
                                    odd_factor ? odd_factor->data_ptr<float>() : nullptr, odd, x.size(0), x.size(1),
-                                   at::get_num_threads());
-    TORCH_CHECK(status == 0, "rotate: ", x.size(1), " inputs are not ", odd, " times a power of two");
+                                   inverse, at::get_num_threads());
+    TORCH_CHECK(status == 0, name, ": ", x.size(1), " inputs are not ", odd, " times a power of two");
     return out;
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor) {
+    return rotate_or_unrotate(x, signs, odd_factor, false);
+}
+
+at::Tensor unrotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor) {
+    return rotate_or_unrotate(x, signs, odd_factor, true);
 }
 
 at::Tensor half_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -363,6 +373,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
           "int out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
           "int k_high) -> Tensor");
     m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
+    m.def("unrotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -377,6 +388,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("quant_matmul", &quant_matmul);
     m.impl("dequantize_planes", &dequantize_planes);
     m.impl("rotate", &rotate);
+    m.impl("unrotate", &unrotate);
     m.impl("gather_columns", &gather_columns);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
@@ -389,6 +401,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("dequantize_int4pack", &dequantize_int4pack_shape);
     m.impl("quant_matmul", &quant_matmul_shape);
     m.impl("rotate", &rotate_shape);
+    m.impl("unrotate", &rotate_shape);
     m.impl("gather_columns", &gather_columns_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);

@@ -1,7 +1,7 @@
-// The input rotation x -> (x * signs) F of kernels/rotation.py for CPUs. F = F_odd (x) H: the Hartley
-// transform of K's odd part (kernels/rotation.py's outermost factor) times the Sylvester-Hadamard matrix of its
-// power-of-two part, which is what the Kronecker product of rotation.py's power-of-two factors is. Built and
-// documented by kernels/cpu_rotation.py.
+// The input rotation x -> (x * signs) F of kernels/rotation.py for CPUs, and its inverse x -> (x F) * signs.
+// F = F_odd (x) H: the Hartley transform of K's odd part (kernels/rotation.py's outermost factor) times the
+// Sylvester-Hadamard matrix of its power-of-two part, which is what the Kronecker product of rotation.py's
+// power-of-two factors is. Built and documented by kernels/cpu_rotation.py.
 //
 // torch runs it as one small matmul per factor; at one to a few rows each is a BLAS call whose thread start-up
 // costs more than its work. Here a row, viewed as [odd, 2^m], is rotated in float32 on its thread's stack: a
@@ -98,8 +98,8 @@ void mix_odd(const float* a, const float* factor, int64_t odd, int64_t n, float*
     }
 }
 
-// Rows of x rotated into out (qrun_rotate's arguments, n = k / odd).
-template <int kind>
+// Rows of x rotated into out (qrun_rotate's arguments, n = k / odd); out may be x.
+template <int kind, bool inverse>
 void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const float* signs, const float* odd_factor,
                  int64_t odd, int64_t n, int64_t rows, int threads) {
     const int64_t k = n * odd, width = kind == F32 ? 4 : 2;
@@ -110,7 +110,7 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const char* in = static_cast<const char*>(x) + r * ldx * width;
-            for (int64_t i = 0; i < k; i++) a[i] = load<kind>(in, i) * signs[i] * norm;
+            for (int64_t i = 0; i < k; i++) a[i] = load<kind>(in, i) * (inverse ? 1.f : signs[i]) * norm;
             for (int64_t p = 0; p < odd; p++) {
                 if (n % 16 == 0)
                     walsh_hadamard_vectors(a.data() + p * n, n);
@@ -123,25 +123,26 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
                 rotated = b.data();
             }
             char* dst = static_cast<char*>(out) + r * ldout * width;
-            for (int64_t i = 0; i < k; i++) store<kind>(dst, i, rotated[i]);
+            for (int64_t i = 0; i < k; i++) store<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
         }
     }
 }
 
 }  // namespace
 
-// x, out: [rows, k] float32 (kind 0) or bfloat16 (kind 1), rows `ldx` / `ldout` elements apart; signs: float32
-// [k]; odd_factor: float32 [odd, odd] (null when odd is 1), k / odd a power of two. Returns 0, or 1 for a k that
-// is not odd * 2^m or an unknown kind.
+// x, out: [rows, k] float32 (kind 0) or bfloat16 (kind 1), rows `ldx` / `ldout` elements apart (out may be x);
+// signs: float32 [k]; odd_factor: float32 [odd, odd] (null when odd is 1), k / odd a power of two; inverse: x F
+// times the signs (rotation.py's unrotate). Returns 0, or 1 for a k that is not odd * 2^m or an unknown kind.
 extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout, int kind, const float* signs,
-                           const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int threads) {
+                           const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int inverse, int threads) {
     const int64_t n = odd > 0 ? k / odd : 0;
     if (n <= 0 || n * odd != k || (n & (n - 1)) != 0 || (odd > 1 && odd_factor == nullptr) ||
         (kind != F32 && kind != BF16))
         return 1;
+    const auto run = [&](auto rotate) { rotate(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads); };
     if (kind == F32)
-        rotate_rows<F32>(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads);
+        inverse ? run(rotate_rows<F32, true>) : run(rotate_rows<F32, false>);
     else
-        rotate_rows<BF16>(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads);
+        inverse ? run(rotate_rows<BF16, true>) : run(rotate_rows<BF16, false>);
     return 0;
 }

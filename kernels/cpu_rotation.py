@@ -1,5 +1,6 @@
-"""The input rotation of mixed-bit models on CPUs: `kernels/rotation.py`'s `rotate`, same signature,
-as one C++ call (`cpu_rotation.cpp`, through `torch.ops.qrun.rotate`).
+"""The input rotation of mixed-bit models and of quantized KV caches on CPUs: `kernels/rotation.py`'s
+`rotate` and `unrotate`, same signatures, as one C++ call each (`cpu_rotation.cpp`, through
+`torch.ops.qrun.rotate` and `torch.ops.qrun.unrotate`).
 
 F's power-of-two factors multiply to one Sylvester-Hadamard matrix, so the kernel runs it as a fast
 Walsh-Hadamard transform and contracts only the odd factor as a matrix. At one to a few rows this
@@ -13,18 +14,28 @@ from __future__ import annotations
 
 import torch
 
-from qrun.kernels.rotation import rotate, rotation_factors
+from qrun.kernels.rotation import rotate, rotation_factors, unrotate
 
 
 def rotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`rotation.rotate` through the C++ kernel where it takes x (float32 or bfloat16 rows),
     else through the reference."""
+    return _through_kernel(torch.ops.qrun.rotate, rotate, x, signs, factors)
+
+
+def unrotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """`rotation.unrotate`, as `rotate_cpu` is `rotation.rotate`."""
+    return _through_kernel(torch.ops.qrun.unrotate, unrotate, x, signs, factors)
+
+
+def _through_kernel(kernel, reference, x: torch.Tensor, signs: torch.Tensor,
+                    factors: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.bfloat16) or signs.dtype != torch.float32 or x.device.type != "cpu":
-        return rotate(x, signs, factors)
+        return reference(x, signs, factors)
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     odd = odd_factor(factors if factors is not None else rotation_factors(k, x.device))
-    return torch.ops.qrun.rotate(rows if rows.stride(-1) == 1 else rows.contiguous(), signs, odd).view(x.shape)
+    return kernel(rows if rows.stride(-1) == 1 else rows.contiguous(), signs, odd).view(x.shape)
 
 
 def odd_factor(factors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:

@@ -93,10 +93,10 @@ def rotate(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ..
     return cast(_apply_f(cast(x, dtype) * cast(signs, dtype), factors), x.dtype)
 
 
-def unrotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """The inverse: x R^T = (x F) * signs."""
+def unrotate(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """The inverse: x R^T = (x F) * signs (arguments as `rotate`'s)."""
     dtype = _compute_dtype(x)
-    return (_apply_f(x.to(dtype), None) * signs.to(dtype)).to(x.dtype)
+    return cast(_apply_f(cast(x, dtype), factors) * cast(signs, dtype), x.dtype)
 
 
 def random_signs(k: int, seed: int = 0) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from qrun.config import KV_CACHE_DTYPES, ModelConfig
 from qrun.errors import QrunError
 from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY, SCALE_DTYPE, kv_group_size, storage_dtype
-from qrun.kernels.rotation import random_signs, rotate
+from qrun.kernels.rotation import random_signs, rotation_factors
 
 if TYPE_CHECKING:
     from qrun.model import Transformer
@@ -88,7 +88,10 @@ class LayerKV:
     v: torch.Tensor
     k_scales: torch.Tensor | None = None
     v_scales: torch.Tensor | None = None
-    rotation: torch.Tensor | None = None  # [D, D] orthogonal: q, k, v go in as x @ R, out comes back @ R^T
+    # q, k and v go in rotated (the kernel table's `rotate` with these signs and factors), the
+    # attention's output comes back through `unrotate`; None: not rotated
+    rotation_signs: torch.Tensor | None = None  # [D] +-1 float32
+    rotation_factors: tuple[torch.Tensor, ...] | None = None  # rotation_factors(D), held for compiled graphs
     k_mean: torch.Tensor | None = None  # [Hkv, D] subtracted from keys before they are stored
 
 
@@ -105,7 +108,7 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k_scales = self.v_scales = self.rotation = None
+        self.k_scales = self.v_scales = self.rotation_signs = self.rotation_factors = None
         values, scales = spec.head_shapes(head_dim)
         storage = storage_dtype(spec.bits) if spec.quantized else spec.dtype
         self.k = torch.zeros(*shape, *values, dtype=storage, device=device)
@@ -114,10 +117,10 @@ class KVCache:
             self.k_scales = torch.zeros(*shape, *scales, dtype=SCALE_DTYPE, device=device)
             self.v_scales = torch.zeros_like(self.k_scales)
             if spec.rotate:
-                eye = torch.eye(head_dim, dtype=torch.float64)
-                self.rotation = rotate(eye, random_signs(head_dim, _ROTATION_SEED)).to(device=device, dtype=spec.dtype)
+                self.rotation_signs = random_signs(head_dim, _ROTATION_SEED).to(device)
+                self.rotation_factors = rotation_factors(head_dim, torch.device(device))
         self.layers = [LayerKV(self.k[i], self.v[i], *(None if s is None else s[i] for s in (self.k_scales, self.v_scales)),
-                               self.rotation) for i in range(config.num_layers)]
+                               self.rotation_signs, self.rotation_factors) for i in range(config.num_layers)]
         if spec.quantized and key_means is not None:
             for layer, mean in zip(self.layers, key_means):
                 layer.k_mean = mean.to(spec.dtype)

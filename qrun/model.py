@@ -90,16 +90,16 @@ class Attention(nn.Module):
         q, k = self.ops.apply_rotary(q, k, positions, cos_sin)
         if cache.k_mean is not None:  # a quantized cache holds centred keys (qrun/kv_cache.py)
             k = k - cache.k_mean
-        rotation = cache.rotation
-        if rotation is not None:  # ... rotated (qrun/kv_cache.py)
-            q, k, v = q @ rotation, k @ rotation, v @ rotation
+        signs, factors = cache.rotation_signs, cache.rotation_factors
+        if signs is not None:  # ... rotated (qrun/kv_cache.py)
+            q, k, v = (self.ops.rotate(t, signs, factors) for t in (q, k, v))
         self.ops.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scales, cache.v_scales)
         out = self.ops.paged_attention(
             q, cache.k, cache.v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, self.scale, None, cache.k_scales, cache.v_scales,
         )
-        if rotation is not None:
-            out = out @ rotation.T
+        if signs is not None:
+            out = self.ops.unrotate(out, signs, factors)
         return out.flatten(1)
 
     def fuse_projections(self) -> None:

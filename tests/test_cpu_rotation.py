@@ -1,4 +1,4 @@
-"""The C++ input rotation equals kernels/rotation.py's to float32 rounding, whatever the shape."""
+"""The C++ rotation and its inverse equal kernels/rotation.py's to float32 rounding, whatever the shape."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from qrun.kernels import cpu_library
-from qrun.kernels.cpu_rotation import rotate_cpu
-from qrun.kernels.rotation import random_signs, rotate, rotation_factors
+from qrun.kernels.cpu_rotation import rotate_cpu, unrotate_cpu
+from qrun.kernels.rotation import random_signs, rotate, rotation_factors, unrotate
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
 
@@ -16,14 +16,15 @@ pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ ker
 @settings(max_examples=40, deadline=None)
 @given(odd=st.sampled_from([1, 3, 5, 9]), power=st.integers(0, 9), rows=st.integers(1, 40),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), padding=st.sampled_from([0, 7]),
-       seed=st.integers(0, 2**16))
-def test_cpu_rotation_matches_the_reference(odd, power, rows, dtype, padding, seed):
+       seed=st.integers(0, 2**16), inverse=st.booleans())
+def test_cpu_rotation_matches_the_reference(odd, power, rows, dtype, padding, seed, inverse):
     k = odd << power
     signs = random_signs(k, seed=seed).float()
     wide = torch.randn(rows, k + padding, generator=torch.Generator().manual_seed(seed)).to(dtype)
     x = wide[:, :k]  # rows further apart than k: the kernel reads them in place
-    expected = rotate(x.float(), signs)  # in float32, rounded once below, as both round
-    got = rotate_cpu(x, signs, rotation_factors(k, x.device))
+    reference, kernel = (unrotate, unrotate_cpu) if inverse else (rotate, rotate_cpu)
+    expected = reference(x.float(), signs)  # in float32, rounded once below, as both round
+    got = kernel(x, signs, rotation_factors(k, x.device))
     assert got.dtype == dtype and got.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -31,10 +32,11 @@ def test_cpu_rotation_matches_the_reference(odd, power, rows, dtype, padding, se
         torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=1e-5)
 
 
-def test_cpu_rotation_keeps_leading_dimensions():
+def test_cpu_rotation_keeps_leading_dimensions_and_unrotate_inverts_it():
     x = torch.randn(2, 3, 96)
     signs = random_signs(96).float()
     torch.testing.assert_close(rotate_cpu(x, signs), rotate(x, signs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unrotate_cpu(rotate_cpu(x, signs), signs), x, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_rotation_names_an_input_size_it_cannot_split():

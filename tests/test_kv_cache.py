@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qrun import LLM, SamplingParams
+from qrun.kernels import ops_for
 from qrun.kv_cache import KVCache, KVCacheSpec
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -56,11 +57,17 @@ def test_unknown_cache_dtype_names_the_choices(tiny_llama_dir):
 def test_rotation_is_orthogonal_so_scores_are_unchanged(tiny_llama_dir):
     config = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=BUDGET).engine.loaded.config
     cache = KVCache(config, 2, 16, KVCacheSpec(torch.float32, 4), "cpu")
-    rotation = cache.rotation
-    torch.testing.assert_close(rotation @ rotation.T, torch.eye(config.head_dim), atol=1e-6, rtol=0)
+    ops = ops_for(torch.device("cpu"))
+    signs, factors = cache.rotation_signs, cache.rotation_factors
+    eye = torch.eye(config.head_dim)
+    rotation = ops.rotate(eye, signs, factors)
+    assert (rotation.abs() > 0.5 / config.head_dim ** 0.5).all()  # every channel spread over all of them
+    torch.testing.assert_close(rotation @ rotation.T, eye, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ops.unrotate(rotation, signs, factors), eye, atol=1e-6, rtol=0)
     q, k = torch.randn(5, config.head_dim), torch.randn(7, config.head_dim)
-    torch.testing.assert_close((q @ rotation) @ (k @ rotation).T, q @ k.T, atol=1e-5, rtol=1e-5)
-    assert KVCache(config, 2, 16, KVCacheSpec(torch.float32, 4, rotate=False), "cpu").rotation is None
+    rotated_q, rotated_k = ops.rotate(q, signs, factors), ops.rotate(k, signs, factors)
+    torch.testing.assert_close(rotated_q @ rotated_k.T, q @ k.T, atol=1e-5, rtol=1e-5)
+    assert KVCache(config, 2, 16, KVCacheSpec(torch.float32, 4, rotate=False), "cpu").rotation_signs is None
 
 
 def test_quantized_cache_batched_and_chunked_greedy_equals_sequential(quantized_llm):
