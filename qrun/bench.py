@@ -167,6 +167,7 @@ def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
         "peak_running": counters["peak_running"],
         "kv_block_size": block_size,
         "kv_blocks_total": after["kv_blocks_total"],
+        "kv_tokens": after["kv_blocks_total"] * block_size,  # what the cache holds
         "kv_peak_blocks": counters["peak_blocks"],
         "kv_live_tokens_at_peak": live,
         # allocated slots / live tokens at the peak (1.0 = no waste; < 1 when prefixes are shared)
@@ -257,6 +258,8 @@ TABLE_COLUMNS = [
     ("ttft_p90_s", "TTFT p90", "{:.2f}"),
     ("e2e_p50_s", "E2E p50", "{:.2f}"),
     ("padding_tokens", "pad tok", "{:d}"),
+    ("preemptions", "preempt", "{:d}"),
+    ("kv_tokens", "KV tokens", "{:d}"),
     ("kv_alloc_over_live", "KV alloc/live", "{:.3f}"),
     ("prefill_fraction", "prefill/prompt", "{:.1%}"),
     ("prefix_hit_rate", "prefix hit", "{:.1%}"),

@@ -14,10 +14,14 @@ bandwidth.
     python scripts/bench_serving.py --workload ../shared/data/workloads/shared_prefix.jsonl \
         --num-requests 64 --systems qrun,qrun_noprefix
     python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun --profile
+    python scripts/bench_serving.py --num-requests 64 --kv-cache-memory 114e6 --single-stream 0 \
+        --systems qrun+bfloat16,qrun+int8,qrun+int4   # a cache for ~25% of these requests' tokens in bfloat16
 
 Systems (SYSTEM or SYSTEM@VARIANT):
-  qrun[@MODEL]   qrun.LLM (default --model, --dtype), continuous batching, prefix caching on
-                 (metrics: qrun.bench.run_qrun); MODEL may be a `qrun convert` output folder
+  qrun[@MODEL][+KV] qrun.LLM (default --model, --dtype), continuous batching, prefix caching on
+                 (metrics: qrun.bench.run_qrun); MODEL may be a `qrun convert` output folder; KV a
+                 kv_cache_dtype (auto, float32, bfloat16, float16, int8, int4; default auto), so
+                 that one --kv-cache-memory holds each format's own number of tokens
   qrun_noprefix  the same engine with enable_prefix_caching=False
   qrun_eager[@MODEL] the same engine with enforce_eager=True (no compiled decode steps)
   hf_static      transformers `generate`, left padding, batches of --batch-size in arrival order,
@@ -70,12 +74,14 @@ def gguf_path(model: str) -> Path:
 # -- qrun -----------------------------------------------------------------------------------------
 
 class QrunSystem:
-    def __init__(self, name: str, args, model: str, prefix_caching: bool, enforce_eager: bool = False):
+    def __init__(self, name: str, args, model: str, prefix_caching: bool, enforce_eager: bool = False,
+                 kv_cache_dtype: str = "auto"):
         from qrun import LLM
 
         kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_batch_tokens, block_size=args.block_size,
-                      enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager)
+                      enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
+                      kv_cache_dtype=kv_cache_dtype)
         if args.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
         self.name = name
@@ -527,19 +533,30 @@ def parse_args(argv=None):
     if args.kv_cache_memory is not None and args.kv_cache_memory > 1:
         args.kv_cache_memory = int(args.kv_cache_memory)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s.partition("@")[0] not in ALL_SYSTEMS]
+    unknown = [s for s in args.systems if split_kv_cache_dtype(s)[0].partition("@")[0] not in ALL_SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS}")
     return args
 
 
+def split_kv_cache_dtype(spec: str) -> tuple[str, str | None]:
+    """`spec` without a trailing +KV_CACHE_DTYPE, and that dtype (None where it has none)."""
+    from qrun.config import KV_CACHE_DTYPES
+
+    head, plus, tail = spec.rpartition("+")
+    return (head, tail) if plus and tail in KV_CACHE_DTYPES else (spec, None)
+
+
 def build_system(spec: str, args, path: Path, requests: list[BenchRequest], built: dict):
-    """The system named by `spec` (SYSTEM or SYSTEM@VARIANT; see the module doc)."""
-    kind, _, variant = spec.partition("@")
+    """The system named by `spec` (SYSTEM[@VARIANT][+KV]; see the module doc)."""
+    system, kv_cache_dtype = split_kv_cache_dtype(spec)
+    kind, _, variant = system.partition("@")
     qruns = [s for s in built.values() if isinstance(s, QrunSystem)]
     if kind in ("qrun", "qrun_noprefix", "qrun_eager"):
         return QrunSystem(spec, args, variant or args.model, prefix_caching=(kind != "qrun_noprefix"),
-                          enforce_eager=(kind == "qrun_eager"))
+                          enforce_eager=(kind == "qrun_eager"), kv_cache_dtype=kv_cache_dtype or "auto")
+    if kv_cache_dtype:
+        raise SystemExit(f"{spec!r}: +{kv_cache_dtype} (a KV cache dtype) applies to qrun systems only")
     if kind in ("hf_static", "hf_cb"):
         if "_hf" not in built:
             built["_hf"] = load_hf(path, args.dtype)
@@ -678,7 +695,8 @@ def main(argv=None) -> int:
 
     profile = None
     if args.profile:
-        qname = next((s for s in order if s.partition("@")[0] in ("qrun", "qrun_noprefix", "qrun_eager")), None)
+        qname = next((s for s in order
+                      if split_kv_cache_dtype(s)[0].partition("@")[0] in ("qrun", "qrun_noprefix", "qrun_eager")), None)
         if qname is None:
             print("--profile needs qrun or qrun_noprefix among --systems")
         else:
