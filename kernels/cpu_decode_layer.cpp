@@ -170,15 +170,25 @@ class DecodeLayer : public torch::CustomClassHolder {
         return result;
     }
 
-    // A quantized cache's transforms (qrun/kv_cache.py): keys centred on their layer's mean, then q, k and v
-    // rotated (the attention's output rotated back) by kernels/cpu_rotation.cpp with `signs` and `odd_factor`.
+    // A quantized cache's transforms (qrun/kv_cache.py's LayerKV): queries times their balance, keys centred on
+    // their layer's mean and times theirs (all three or none), then q, k and v rotated (the attention's output
+    // rotated back) by kernels/cpu_rotation.cpp with `signs` and `odd_factor`.
     void set_cache_transforms(std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
-                              std::optional<at::Tensor> key_mean) {
-        TORCH_CHECK(!key_mean || (key_mean->is_contiguous() && key_mean->numel() == num_kv_heads_ * head_dim_),
-                    "DecodeLayer.set_cache_transforms: key_mean must be contiguous [kv heads, head_dim]");
+                              std::optional<at::Tensor> key_mean, std::optional<at::Tensor> key_balance,
+                              std::optional<at::Tensor> query_balance) {
+        const auto shaped = [&](const std::optional<at::Tensor>& t, int64_t heads) {
+            return t && t->is_contiguous() && t->numel() == heads * head_dim_;
+        };
+        TORCH_CHECK((!key_mean && !key_balance && !query_balance) ||
+                        (shaped(key_mean, num_kv_heads_) && shaped(key_balance, num_kv_heads_) &&
+                         shaped(query_balance, num_heads_)),
+                    "DecodeLayer.set_cache_transforms: key_mean and key_balance must be contiguous [kv heads, "
+                    "head_dim], query_balance [heads, head_dim], all three or none");
         rotation_signs_ = std::move(signs);
         rotation_odd_factor_ = std::move(odd_factor);
         key_mean_ = std::move(key_mean);
+        key_balance_ = std::move(key_balance);
+        query_balance_ = std::move(query_balance);
     }
 
   private:
@@ -230,9 +240,9 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
 
     // A quantized cache: the eager layer's ops in its order (qrun/model.py's Attention.heads), so the same bytes
-    // reach the cache: rotary rounded to T, the key mean off (rounded to T, as torch's subtraction), the rotation,
-    // the quantizing store (kernels/cpu_kv_store.cpp), the attention over the quantized cache, its output rotated
-    // back.
+    // reach the cache: rotary rounded to T, the balances and the key mean (each result rounded to T, as torch's
+    // ops round), the rotation, the quantizing store (kernels/cpu_kv_store.cpp), the attention over the quantized
+    // cache, its output rotated back.
     template <typename T>
     at::Tensor quantized_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -246,15 +256,21 @@ class DecodeLayer : public torch::CustomClassHolder {
         const at::Tensor keys = at::empty({rows, num_kv_heads_, dim}, qkv.options());
         const at::Tensor values = qkv.narrow(1, (num_heads_ + num_kv_heads_) * dim, num_kv_heads_ * dim)
                                       .contiguous().view({rows, num_kv_heads_, dim});
-        const T* mean = key_mean_ ? key_mean_->data_ptr<T>() : nullptr;
+        const bool calibrated = key_mean_.has_value();
         rotated_heads<T>(
             qkv, positions, cos_sin,
             [&](int64_t r, int64_t h, const T* q) {
-                std::copy(q, q + dim, queries.data_ptr<T>() + (r * num_heads_ + h) * dim);
+                T* out = queries.data_ptr<T>() + (r * num_heads_ + h) * dim;
+                const T* balance = calibrated ? query_balance_->data_ptr<T>() + h * dim : nullptr;
+                for (int64_t d = 0; d < dim; d++) out[d] = calibrated ? T(float(q[d]) * float(balance[d])) : q[d];
             },
             [&](int64_t r, int64_t h, const T* k) {
                 T* out = keys.data_ptr<T>() + (r * num_kv_heads_ + h) * dim;
-                for (int64_t d = 0; d < dim; d++) out[d] = mean ? T(float(k[d]) - float(mean[h * dim + d])) : k[d];
+                if (!calibrated) return void(std::copy(k, k + dim, out));
+                const T* mean = key_mean_->data_ptr<T>() + h * dim;
+                const T* balance = key_balance_->data_ptr<T>() + h * dim;
+                for (int64_t d = 0; d < dim; d++)
+                    out[d] = T(float(T(float(k[d]) - float(mean[d]))) * float(balance[d]));
             });
         for (const at::Tensor& heads : {queries, keys, values}) rotate_heads<T>(heads, false);
         at::Tensor k_cache = cache.k, v_cache = cache.v, k_scales = *cache.k_scales, v_scales = *cache.v_scales;
@@ -334,7 +350,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         });
     }
 
-    std::optional<at::Tensor> rotation_signs_, rotation_odd_factor_, key_mean_;
+    std::optional<at::Tensor> rotation_signs_, rotation_odd_factor_, key_mean_, key_balance_, query_balance_;
     at::Tensor input_norm_, post_attention_norm_;
     double eps_;
     int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -74,7 +74,7 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     if (dtype not in (torch.float32, torch.bfloat16) or layer.post_attention_layernorm.weight.dtype != dtype
             or attn.head_dim not in HEAD_DIMS or attn.qkv_proj is None or mlp.gate_up_proj is None
             or not all(t.is_contiguous() for t in cache_tensors)
-            or (cache.k_mean is not None and cache.k_mean.dtype != dtype)):
+            or any(t is not None and t.dtype != dtype for t in (cache.k_mean, cache.k_balance, cache.q_balance))):
         return None
     linears = [_linear(attn.qkv_proj, attn.qkv_input), _linear(attn.o_proj, nn.Identity()),
                _linear(mlp.gate_up_proj, mlp.gate_up_input), _linear(mlp.down_proj, nn.Identity())]
@@ -86,7 +86,7 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     for slot, args in enumerate(linears):
         fused.set_linear(slot, *args)
     odd = None if cache.rotation_factors is None else odd_factor(cache.rotation_factors)
-    fused.set_cache_transforms(cache.rotation_signs, odd, cache.k_mean)
+    fused.set_cache_transforms(cache.rotation_signs, odd, cache.k_mean, cache.k_balance, cache.q_balance)
     return fused
 
 

@@ -6,12 +6,22 @@ after a Hadamard rotation along head_dim: keys have a few outlier channels that 
 group's scale, and the rotation spreads them over all channels. The query is rotated the same
 way, so q . k is unchanged, and the attention output is rotated back (V is stored rotated too).
 
-Before rotating, each layer's mean key (per KV head and channel, measured once on a short text
-when the model is loaded: `key_means`) is subtracted: a channel bias that every key shares
-would otherwise widen every key's range. It is exact: a query's scores all shift by
-q . mean_k, which softmax ignores. (Centring values the same way, adding their mean back to the
-output, measured worse in a one-window SmolLM2 experiment, 0.035 against 0.030 KL at int4, so
-values are stored as they come.)
+Before rotating, each layer's keys are calibrated (`key_calibration`, measured once on a short
+built-in text when the model is loaded):
+- the layer's mean key (per KV head and channel) is subtracted: a channel bias that every key
+  shares would otherwise widen every key's range. It is exact: a query's scores all shift by
+  q . mean_k, which softmax ignores. (Centring values the same way, adding their mean back to the
+  output, measured worse in a one-window SmolLM2 experiment, 0.035 against 0.030 KL at int4, so
+  values are stored as they come.)
+- each channel of the keys is multiplied by a balance b and the queries' by 1 / b, so q . k is
+  unchanged. After the rotation every channel's quantization error is about the same, and what
+  it costs a score grows with the query: the error of q . k scales with
+  sum_c (rms k_c b_c)^2 * sum_c (rms q_c / b_c)^2, which b_c = sqrt(rms q_c / rms k_c) minimises
+  (Cauchy-Schwarz; SmoothQuant's balance for a product of two quantized operands). Rounded to a
+  power of two, so both multiplications are exact in every float dtype. On SmolLM2 (int4, the
+  first 8 windows of issue 18's texts, keys quantized alone) it took the keys' KL from 0.0173 to
+  0.0153; balancing by the keys alone (b = 1 / rms k) made it worse (0.0196). Without the
+  rotation the balance is not applied (errors then follow each group's range: it cost there).
 """
 
 from __future__ import annotations
@@ -92,16 +102,40 @@ class LayerKV:
     # attention's output comes back through `unrotate`; None: not rotated
     rotation_signs: torch.Tensor | None = None  # [D] +-1 float32
     rotation_factors: tuple[torch.Tensor, ...] | None = None  # rotation_factors(D), held for compiled graphs
-    k_mean: torch.Tensor | None = None  # [Hkv, D] subtracted from keys before they are stored
+    # A quantized cache's key calibration (`key_calibration`), in the cache's dtype: keys go in as
+    # (k - k_mean) * k_balance, queries as q * q_balance (1 / k_balance of each query's KV head)
+    k_mean: torch.Tensor | None = None  # [Hkv, D]
+    k_balance: torch.Tensor | None = None  # [Hkv, D], powers of two
+    q_balance: torch.Tensor | None = None  # [H, D]
+
+
+@dataclass(frozen=True)
+class KeyCalibration:
+    """One layer's key transform for a quantized cache (module docstring), float32 [Hkv, D]."""
+
+    mean: torch.Tensor
+    balance: torch.Tensor
+
+    @classmethod
+    def measure(cls, queries: torch.Tensor, keys: torch.Tensor) -> "KeyCalibration":
+        """From a text's queries [n, H, D] and keys [n, Hkv, D] after rotary."""
+        keys, queries = keys.float(), queries.float()
+        mean = keys.mean(0)
+        key_rms = (keys - mean).pow(2).mean(0).sqrt()
+        query_rms = queries.unflatten(1, (keys.shape[1], -1)).pow(2).mean((0, 2)).sqrt()
+        tiny = torch.finfo(torch.float32).tiny  # a channel that never moves: balanced as far as the clamp allows
+        balance = (query_rms.clamp_min(tiny) / key_rms.clamp_min(tiny)).clamp(1e-4, 1e4).sqrt()
+        exponent = balance.log2() - balance.log2().mean(-1, keepdim=True)  # centred: magnitudes stay put
+        return cls(mean, torch.exp2(exponent.round()))
 
 
 class KVCache:
     """One preallocated pool of fixed-size blocks per layer, for keys and for values."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, spec: KVCacheSpec,
-                 device: torch.device | str, key_means: list[torch.Tensor] | None = None):
-        """`key_means`: each layer's mean key from `key_means()`, which a quantized cache
-        subtracts before storing (None: keys are stored as they come)."""
+                 device: torch.device | str, key_calibrations: list[KeyCalibration] | None = None):
+        """`key_calibrations`: each layer's from `key_calibration()`, which a quantized cache
+        applies to keys and queries (None: keys and queries as they come)."""
         head_dim = config.head_dim
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads)
         _check_device(spec, torch.device(device))
@@ -121,9 +155,14 @@ class KVCache:
                 self.rotation_factors = rotation_factors(head_dim, torch.device(device))
         self.layers = [LayerKV(self.k[i], self.v[i], *(None if s is None else s[i] for s in (self.k_scales, self.v_scales)),
                                self.rotation_signs, self.rotation_factors) for i in range(config.num_layers)]
-        if spec.quantized and key_means is not None:
-            for layer, mean in zip(self.layers, key_means):
-                layer.k_mean = mean.to(spec.dtype)
+        if spec.quantized and key_calibrations is not None:
+            group = config.num_heads // config.num_kv_heads
+            for layer, calibration in zip(self.layers, key_calibrations):
+                # the balance assumes the rotation's even spread of errors: unrotated, it cost (0.029 -> 0.036)
+                balance = calibration.balance if spec.rotate else torch.ones_like(calibration.balance)
+                layer.k_mean = calibration.mean.to(device=device, dtype=spec.dtype)
+                layer.k_balance = balance.to(device=device, dtype=spec.dtype)
+                layer.q_balance = balance.reciprocal().repeat_interleave(group, 0).to(device=device, dtype=spec.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed [layer, block, ...]: what copying a block copies."""
@@ -145,15 +184,27 @@ CALIBRATION_TOKENS = 1024
 
 
 @torch.inference_mode()
-def key_means(model: "Transformer", tokenizer: "Tokenizer") -> list[torch.Tensor]:
-    """Each layer's mean key after rotary, [Hkv, D], over the calibration text: what a quantized
-    cache subtracts. One forward pass, at load."""
+def key_calibration(model: "Transformer", tokenizer: "Tokenizer") -> list[KeyCalibration]:
+    """Each layer's `KeyCalibration` over the calibration text: one forward pass, at load."""
     from qrun.model import AttentionMetadata
 
     ids = tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
     ids = ids[:min(CALIBRATION_TOKENS, model.config.max_model_len)]
     n, device = len(ids), model.cos_sin.device
     scratch = KVCache(model.config, 1, n, KVCacheSpec(model.embed_tokens.weight.dtype), device)
-    model(torch.tensor(ids, device=device), torch.arange(n, device=device),
-          AttentionMetadata.build([(0, n)], [[0]], n, device), scratch)
-    return [k[0].float().mean(0) for k in scratch.k]
+    calibrations: list[KeyCalibration | None] = [None] * len(model.layers)
+
+    def observer(index: int):
+        def observe(queries: torch.Tensor, keys: torch.Tensor) -> None:
+            calibrations[index] = KeyCalibration.measure(queries, keys)
+        return observe
+
+    for index, layer in enumerate(model.layers):
+        layer.self_attn.observe_queries_keys = observer(index)
+    try:
+        model(torch.tensor(ids, device=device), torch.arange(n, device=device),
+              AttentionMetadata.build([(0, n)], [[0]], n, device), scratch)
+    finally:
+        for layer in model.layers:
+            layer.self_attn.observe_queries_keys = None
+    return calibrations

@@ -71,6 +71,8 @@ class Attention(nn.Module):
         self.qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
         self.scale = self.head_dim ** -0.5
         self.ops = ops
+        # called with each forward's queries and keys after rotary (qrun/kv_cache.py's calibration)
+        self.observe_queries_keys: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata, cache: LayerKV) -> torch.Tensor:
@@ -88,8 +90,10 @@ class Attention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         q, k = self.ops.apply_rotary(q, k, positions, cos_sin)
-        if cache.k_mean is not None:  # a quantized cache holds centred keys (qrun/kv_cache.py)
-            k = k - cache.k_mean
+        if self.observe_queries_keys is not None:
+            self.observe_queries_keys(q, k)
+        if cache.k_mean is not None:  # a quantized cache holds calibrated keys (qrun/kv_cache.py)
+            q, k = q * cache.q_balance, (k - cache.k_mean) * cache.k_balance
         signs, factors = cache.rotation_signs, cache.rotation_factors
         if signs is not None:  # ... rotated (qrun/kv_cache.py)
             q, k, v = (self.ops.rotate(t, signs, factors) for t in (q, k, v))

@@ -11,7 +11,7 @@ from qrun.cpu_decode import DecodeLayers
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.kernels import backend
 from qrun.loader import LoadedModel
-from qrun.kv_cache import KVCache, KVCacheSpec, key_means
+from qrun.kv_cache import KVCache, KVCacheSpec, key_calibration
 from qrun.model import AttentionMetadata
 from qrun.scheduler import ScheduledBatch
 from qrun.sequence import Sequence
@@ -25,8 +25,8 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
-        means = key_means(self.model, loaded.tokenizer) if cache.quantized else None
-        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, means)
+        calibrations = key_calibration(self.model, loaded.tokenizer) if cache.quantized else None
+        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, calibrations)
         self.half_gemv = uses_cpu_dense_linears(self.model)
         # decode steps: each layer one C++ call where the CPU kernels cover the model, else a
         # compiled torch layer (unless compile_decode is off), else eager

@@ -24,7 +24,7 @@ from qrun.errors import QrunError
 from qrun.options import add_placement_arguments
 
 if TYPE_CHECKING:
-    from qrun.kv_cache import KVCacheSpec
+    from qrun.kv_cache import KeyCalibration, KVCacheSpec
 
 
 class EvalError(QrunError):
@@ -81,9 +81,9 @@ def _read(path: Path) -> str:
 
 
 def window_logprobs(model, ids: torch.Tensor, kv_cache_dtype: "str | KVCacheSpec" = "auto",
-                    means: list[torch.Tensor] | None = None) -> torch.Tensor:
+                    calibrations: list[KeyCalibration] | None = None) -> torch.Tensor:
     """float32 log-probabilities [n, vocab] of one window (one sequence, fresh cache); a
-    quantized cache centres its keys by `means` (`kv_cache.key_means`)."""
+    quantized cache calibrates its keys by `calibrations` (`kv_cache.key_calibration`)."""
     from qrun.kv_cache import KVCache, KVCacheSpec
     from qrun.model import AttentionMetadata
 
@@ -91,7 +91,7 @@ def window_logprobs(model, ids: torch.Tensor, kv_cache_dtype: "str | KVCacheSpec
     device = model.cos_sin.device
     spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else KVCacheSpec.parse(
         kv_cache_dtype, model.embed_tokens.weight.dtype)
-    cache = KVCache(model.config, 1, n, spec, device, means)
+    cache = KVCache(model.config, 1, n, spec, device, calibrations)
     meta = AttentionMetadata.build([(0, n)], [[0]], n, device)  # the whole window in one block
     with torch.inference_mode():
         hidden = model(ids.to(device), torch.arange(n, device=device), meta, cache)
@@ -106,7 +106,7 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
     `ref_cache` (a dict kept by the caller) holds the reference's log-probabilities per window,
     so scoring several models against one reference runs the reference once.
     """
-    from qrun.kv_cache import KVCacheSpec, key_means
+    from qrun.kv_cache import KVCacheSpec, key_calibration
     from qrun.loader import LoadedModel, load_model
 
     if ctx < 2:
@@ -124,7 +124,7 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
     ctx = min(ctx, loaded.config.max_model_len)
     spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else KVCacheSpec.parse(kv_cache_dtype,
                                                                                            loaded.dtype)
-    means = key_means(loaded.model, loaded.tokenizer) if spec.quantized else None
+    calibrations = key_calibration(loaded.model, loaded.tokenizer) if spec.quantized else None
     nll_sum, kl_sum, count = 0.0, 0.0, 0
     for path, body in zip(files, texts):
         ids = torch.tensor(loaded.tokenizer.encode(body, add_special_tokens=False), dtype=torch.long)
@@ -134,7 +134,7 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
             window = ids[start:start + ctx]
             if window.shape[0] < 2:
                 continue
-            logp = window_logprobs(loaded.model, window, spec, means)
+            logp = window_logprobs(loaded.model, window, spec, calibrations)
             targets = window[1:].to(logp.device)
             nll_sum += -logp[:-1].gather(1, targets[:, None]).sum().item()
             if reference is not None:

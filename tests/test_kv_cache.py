@@ -8,7 +8,10 @@ import torch
 
 from qrun import LLM, SamplingParams
 from qrun.kernels import ops_for
-from qrun.kv_cache import KVCache, KVCacheSpec
+from hypothesis import given, settings, strategies as st
+
+from qrun.kernels.kv_quant import dequantize_kv_ref, quantize_kv_ref
+from qrun.kv_cache import KVCache, KVCacheSpec, KeyCalibration
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 BUDGET = 1_500_000
@@ -68,6 +71,43 @@ def test_rotation_is_orthogonal_so_scores_are_unchanged(tiny_llama_dir):
     rotated_q, rotated_k = ops.rotate(q, signs, factors), ops.rotate(k, signs, factors)
     torch.testing.assert_close(rotated_q @ rotated_k.T, q @ k.T, atol=1e-5, rtol=1e-5)
     assert KVCache(config, 2, 16, KVCacheSpec(torch.float32, 4, rotate=False), "cpu").rotation_signs is None
+
+
+def _queries_keys(seed: int, heads: int, kv_heads: int, dim: int, spread: float):
+    """Queries and keys whose channels' sizes differ by up to e^spread, independently of each other."""
+    g = torch.Generator().manual_seed(seed)
+    scales = [(torch.rand(h, dim, generator=g) * spread).exp() for h in (heads, kv_heads)]
+    return [torch.randn(512, h, dim, generator=g) * s for h, s in zip((heads, kv_heads), scales)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3]),
+       dim=st.sampled_from([32, 64]))
+def test_key_calibration_leaves_every_score_product_exactly_unchanged(seed, kv_heads, group, dim):
+    queries, keys = _queries_keys(seed, kv_heads * group, kv_heads, dim, spread=6.0)
+    calibration = KeyCalibration.measure(queries, keys + 3.0)
+    balance = calibration.balance
+    assert torch.equal(balance, torch.exp2(balance.log2().round()))  # powers of two: exact in every dtype
+    q_balance = balance.reciprocal().repeat_interleave(group, 0)
+    centred = keys + 3.0 - calibration.mean
+    by_head = centred.repeat_interleave(group, 1)
+    balanced = by_head * balance.repeat_interleave(group, 0)
+    assert torch.equal((queries * q_balance) * balanced, queries * by_head)  # each product, so each sum
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_key_calibration_shrinks_the_score_error_of_an_int4_key(seed):
+    queries, keys = _queries_keys(seed, 4, 2, 64, spread=4.0)
+    calibration = KeyCalibration.measure(queries, keys)
+    q_balance = calibration.balance.reciprocal().repeat_interleave(2, 0)
+
+    def score_error(q, k):
+        dequantized = dequantize_kv_ref(*quantize_kv_ref(k, 4, 32), torch.float32)
+        by_head = lambda t: t.repeat_interleave(2, 1)  # noqa: E731
+        return ((q * by_head(dequantized - k)).sum(-1)).pow(2).mean()
+
+    centred = keys - calibration.mean
+    assert score_error(queries * q_balance, centred * calibration.balance) < 0.8 * score_error(queries, centred)
 
 
 def test_quantized_cache_batched_and_chunked_greedy_equals_sequential(quantized_llm):
