@@ -8,8 +8,8 @@ W' = W R with R = diag(signs) F, has its outlier inputs spread over all inputs, 
 and low widths lose less; at run time its input is rotated the same way (y = x W^T = (x R) W'^T).
 
 F is applied factor by factor (K * sum of factor sizes multiply-adds per row, a few percent of
-the matmul it precedes), never as a dense K x K matrix. This is plain torch on every backend:
-the small batched matmuls are not worth a kernel of their own.
+the matmul it precedes), never as a dense K x K matrix. This is the torch reference; CPUs run
+`kernels/cpu_rotation.py`'s C++ kernel (the kernel table's choice), GPUs these small matmuls.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ built-in text when the model is loaded):
   it costs a score grows with the query: the error of q . k scales with
   sum_c (rms k_c b_c)^2 * sum_c (rms q_c / b_c)^2, which b_c = sqrt(rms q_c / rms k_c) minimises
   (Cauchy-Schwarz; SmoothQuant's balance for a product of two quantized operands). Rounded to a
-  power of two, so both multiplications are exact in every float dtype. On SmolLM2 (int4, the
-  first 8 windows of issue 18's texts, keys quantized alone) it took the keys' KL from 0.0173 to
-  0.0153; balancing by the keys alone (b = 1 / rms k) made it worse (0.0196). Without the
+  power of two, so both multiplications are exact in every float dtype. In a throwaway
+  experiment on SmolLM2 (int4, issue 18's 8 windows, keys quantized alone) it took the keys' KL
+  from 0.0173 to 0.0153; balancing by the keys alone (b = 1 / rms k) made it worse (0.0196). Without the
   rotation the balance is not applied (errors then follow each group's range: it cost there).
 """
 

@@ -533,10 +533,15 @@ def parse_args(argv=None):
     if args.kv_cache_memory is not None and args.kv_cache_memory > 1:
         args.kv_cache_memory = int(args.kv_cache_memory)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if split_kv_cache_dtype(s)[0].partition("@")[0] not in ALL_SYSTEMS]
+    unknown = [s for s in args.systems if system_kind(s) not in ALL_SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS}")
     return args
+
+
+def system_kind(spec: str) -> str:
+    """SYSTEM of SYSTEM[@VARIANT][+KV]."""
+    return split_kv_cache_dtype(spec)[0].partition("@")[0]
 
 
 def split_kv_cache_dtype(spec: str) -> tuple[str, str | None]:
@@ -695,8 +700,7 @@ def main(argv=None) -> int:
 
     profile = None
     if args.profile:
-        qname = next((s for s in order
-                      if split_kv_cache_dtype(s)[0].partition("@")[0] in ("qrun", "qrun_noprefix", "qrun_eager")), None)
+        qname = next((s for s in order if system_kind(s) in ("qrun", "qrun_noprefix", "qrun_eager")), None)
         if qname is None:
             print("--profile needs qrun or qrun_noprefix among --systems")
         else:

@@ -4,8 +4,9 @@ Every model runs in float32 so that the cache is the only difference: its refere
 weights with a float32 cache, scoring the same windows (long ones, so later tokens attend to
 many cached keys). Converted models multiply through the float reference path
 (QRUN_QUANT_CPU=ref, set here unless given): the fast CPU kernel rounds each input to int8, so a
-last-bit change anywhere before a linear moves its output by a rounding step, and the 4.0-bpw
-SmolLM2 measured KL 0.0018 against itself with the keys merely centred and rotated in float32. Each quantized cache is measured with the Hadamard rotation qrun uses and
+last-bit change anywhere before a linear moves its output by a rounding step (in a throwaway
+experiment the 4.0-bpw SmolLM2 measured KL 0.0018 against itself with its keys merely centred and
+rotated in float32, 0 through the reference path). Each quantized cache is measured with the Hadamard rotation qrun uses and
 without it, to show what the rotation buys. Targets (issue 18): int8 KL <= 0.002, int4 <= 0.02.
 
     python scripts/kv_cache_quality.py smollm2-135m out/smol-4.0
