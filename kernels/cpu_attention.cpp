@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -103,6 +104,56 @@ inline void load_row(const void* data, int64_t index, const _Float16* scales, fl
     }
 }
 
+using Floats = qrun_floats;
+
+// Row `index` of a cache as dim / 16 vectors of floats, converted in registers where the kind allows (AVX512; int4
+// where a group's halves are whole vectors), else through load_row.
+template <int kind, int64_t dim>
+inline void row_vectors(const void* data, int64_t index, const _Float16* scales, Floats* out) {
+    constexpr int64_t vectors = dim / 16, group = group_size<kind, dim>();
+#if defined(__AVX512F__)
+    if constexpr (kind == BF16 || kind == F16) {
+        const __m256i* row = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(data) + index * dim);
+        for (int64_t v = 0; v < vectors; v++) {
+            const __m256i halves = _mm256_loadu_si256(row + v);
+            if constexpr (kind == BF16)  // bfloat16 bits are a float's upper half
+                out[v] = Floats(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+            else
+                out[v] = Floats(_mm512_cvtph_ps(halves));
+        }
+        return;
+    }
+    if constexpr (kind == INT8 || (kind == INT4 && group % 32 == 0)) {
+        const _Float16* scale_zero = scales + index * (dim / group) * 2;
+        for (int64_t v = 0; v < vectors; v++) {
+            const int64_t g = v * 16 / group, at = v * 16 % group;
+            __m512 values;
+            if constexpr (kind == INT8) {
+                const auto* row = reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(data) + index * dim);
+                values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + v)));
+            } else {  // in each group, byte j holds element j (low nibble) and element j + group / 2
+                constexpr int64_t half = group / 2;
+                const uint8_t* bytes = static_cast<const uint8_t*>(data) + index * (dim / 2) + g * half + at % half;
+                __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+                if (at >= half) packed = _mm_srli_epi16(packed, 4);
+                values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, _mm_set1_epi8(15))));
+            }
+            out[v] = Floats(_mm512_fmadd_ps(values, _mm512_set1_ps(half_to_float(scale_zero + 2 * g)),
+                                            _mm512_set1_ps(half_to_float(scale_zero + 2 * g + 1))));
+        }
+        return;
+    }
+#endif
+    if constexpr (kind == F32) {
+        const float* row = static_cast<const float*>(data) + index * dim;
+        for (int64_t v = 0; v < vectors; v++) out[v] = qrun_load_floats(row + v * 16);
+    } else {
+        alignas(64) float row[dim];
+        load_row<kind, dim>(data, index, scales, row);
+        for (int64_t v = 0; v < vectors; v++) out[v] = qrun_load_floats(row + v * 16);
+    }
+}
+
 struct Step {
     const float* q;
     float* out;
@@ -121,9 +172,15 @@ struct Step {
 
 // A work item is CHUNK tokens of one decode row's sequence, every KV head: its keys and values are read as they lie
 // (a token's heads side by side), a long sequence spreads over the threads (each chunk's softmax is merged after, as
-// flash-decoding does), and the chunk's rows and scores stay in cache. A token's rows are fetched AHEAD tokens before
-// they are read: blocks are scattered, which the hardware's prefetchers do not follow.
-constexpr int64_t CHUNK = 128, LANES = 16, AHEAD = 8;
+// flash-decoding does). Tokens pass LANES at a time; the next LANES tokens' rows are fetched meanwhile (blocks are
+// scattered, which the hardware's prefetchers do not follow). Each row is converted to floats once, in registers, for
+// a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers too).
+constexpr int64_t CHUNK = 128, LANES = 16;
+
+template <int64_t dim>
+constexpr int64_t pack_size() {  // the pack's vectors (pack_size * dim / 16) fit in half the 32 registers
+    return std::max<int64_t>(1, 256 / dim);
+}
 
 // Fetch rows [index, index + count) of a cache into cache.
 template <int kind, int64_t dim>
@@ -193,83 +250,118 @@ struct Partial {
     float* acc;  // [num_q_heads, dim]
 };
 
-// rows[h][t] = the cache's row of KV head h for the chunk's token t (slot_of(t): its slot), as floats.
-template <int kind, int64_t dim, typename SlotOf>
-void load_rows(const void* data, const _Float16* scales, const SlotOf& slot_of, int64_t length, int64_t heads,
-               float* rows) {
-    for (int64_t t = 0; t < length; t++) {
-        if (t + AHEAD < length) prefetch_rows<kind, dim>(data, slot_of(t + AHEAD) * heads, heads, scales);
-        for (int64_t h = 0; h < heads; h++)
-            load_row<kind, dim>(data, slot_of(t) * heads + h, scales, rows + (h * CHUNK + t) * dim);
-    }
-}
+// The LANES tokens of a chunk from token t0 (count of them real) as rows of one cache, and the first of a pack of
+// query heads that share KV head `kv_head` (the pack's size is the functions' `heads`).
+struct Pass {
+    const void* cache;
+    const _Float16* scales;
+    const int64_t* slots;  // [count]
+    int64_t count, kv_heads, kv_head, first;
+};
 
-using Floats = qrun_floats;
-
-// sums[d] = sum over t of weights[t] * rows[t][d].
-template <int64_t dim>
-void weighted_sum(const float* weights, const float* rows, int64_t length, float* sums) {
+// scores[j][t] = queries[j] . row t for the pack's heads j (rows of `scores` CHUNK + LANES apart); -FLT_MAX past count.
+template <int kind, int64_t dim, int64_t heads>
+void score_pack(const Pass& pass, const float* queries, float* scores) {
     constexpr int64_t vectors = dim / LANES;
-    Floats acc[vectors] = {};
-    for (int64_t t = 0; t < length; t++) {
-        const Floats weight = Floats{} + weights[t];
-        for (int64_t v = 0; v < vectors; v++) acc[v] += weight * qrun_load_floats(rows + t * dim + v * LANES);
-    }
-    std::memcpy(sums, acc, sizeof(acc));
-}
-
-// scores[t] = query . rows[t], LANES tokens at a time (their lanes summed together: sum_lanes); returns the
-// largest. scores has room for length rounded up to LANES.
-template <int64_t dim>
-float dot_rows(const float* query, const float* rows, int64_t length, float* scores) {
-    constexpr int64_t vectors = dim / LANES;
-    Floats q[vectors];
-    for (int64_t v = 0; v < vectors; v++) q[v] = qrun_load_floats(query + v * LANES);
-    alignas(64) Floats parts[LANES];
-    Floats top = Floats{} - FLT_MAX;
-    for (int64_t t0 = 0; t0 < length; t0 += LANES) {
-        for (int64_t t = t0; t < t0 + LANES; t++) {
+    Floats q[heads][vectors];
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t v = 0; v < vectors; v++) q[j][v] = qrun_load_floats(queries + (pass.first + j) * dim + v * LANES);
+    alignas(64) Floats parts[heads][LANES];
+    for (int64_t t = 0; t < LANES; t++) {
+        Floats row[vectors] = {};
+        if (t < pass.count)
+            row_vectors<kind, dim>(pass.cache, pass.slots[t] * pass.kv_heads + pass.kv_head, pass.scales, row);
+        for (int64_t j = 0; j < heads; j++) {
             Floats lanes = {};
-            if (t < length)
-                for (int64_t v = 0; v < vectors; v++) lanes += q[v] * qrun_load_floats(rows + t * dim + v * LANES);
-            parts[t - t0] = lanes;
+            for (int64_t v = 0; v < vectors; v++) lanes += q[j][v] * row[v];
+            parts[j][t] = lanes;
         }
-        sum_lanes(reinterpret_cast<const float*>(parts), scores + t0);
-        for (int64_t t = length; t < t0 + LANES; t++) scores[t] = -FLT_MAX;
-        const Floats sums = qrun_load_floats(scores + t0);
-        top = sums > top ? sums : top;
     }
-    float largest = -FLT_MAX;
-    for (int64_t i = 0; i < LANES; i++) largest = std::max(largest, top[i]);
-    return largest;
+    for (int64_t j = 0; j < heads; j++) {
+        float* out = scores + (pass.first + j) * (CHUNK + LANES);
+        sum_lanes(reinterpret_cast<const float*>(parts[j]), out);
+        for (int64_t t = pass.count; t < LANES; t++) out[t] = -FLT_MAX;
+    }
 }
 
-// Tokens [begin, end) of a sequence (its block table: table) for every query head; queries scaled.
+// sums[j] += sum over t of weights[j][t] * row t for the pack's heads j (weights: rows CHUNK + LANES apart).
+template <int kind, int64_t dim, int64_t heads>
+void accumulate_pack(const Pass& pass, const float* weights, float* sums) {
+    constexpr int64_t vectors = dim / LANES;
+    Floats acc[heads][vectors];
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t v = 0; v < vectors; v++) acc[j][v] = qrun_load_floats(sums + (pass.first + j) * dim + v * LANES);
+    for (int64_t t = 0; t < pass.count; t++) {
+        Floats row[vectors];
+        row_vectors<kind, dim>(pass.cache, pass.slots[t] * pass.kv_heads + pass.kv_head, pass.scales, row);
+        for (int64_t j = 0; j < heads; j++) {
+            const Floats weight = Floats{} + weights[(pass.first + j) * (CHUNK + LANES) + t];
+            for (int64_t v = 0; v < vectors; v++) acc[j][v] += weight * row[v];
+        }
+    }
+    for (int64_t j = 0; j < heads; j++) std::memcpy(sums + (pass.first + j) * dim, acc[j], sizeof(acc[j]));
+}
+
+// f(std::integral_constant<int64_t, heads>) for a runtime heads in 1 .. most: the pack functions' instantiations.
+template <int64_t most, typename F>
+void with_heads(int64_t heads, const F& f) {
+    if constexpr (most > 1)
+        if (heads < most) return with_heads<most - 1>(heads, f);
+    f(std::integral_constant<int64_t, most>{});
+}
+
+// Tokens [begin, end) of a sequence (its block table: table) for every query head; queries scaled. scores: [heads]
+// rows of CHUNK + LANES.
 template <int kind, int64_t dim>
 void attend_chunk(const Step& step, const float* queries, const int32_t* table, int64_t begin, int64_t end,
-                  float* scores, float* rows, const Partial& partial) {
+                  float* scores, const Partial& partial) {
     const int64_t block_mask = (int64_t(1) << step.block_shift) - 1, kv_heads = step.num_kv_heads;
-    const int64_t heads_per_kv = step.num_q_heads / kv_heads, length = end - begin;
+    const int64_t heads = step.num_q_heads, heads_per_kv = heads / kv_heads, length = end - begin;
     const auto slot_of = [&](int64_t t) {
         t += begin;
         return (int64_t(table[t >> step.block_shift]) << step.block_shift) + (t & block_mask);
     };
-    load_rows<kind, dim>(step.k_cache, step.k_scales, slot_of, length, kv_heads, rows);
-    for (int64_t head = 0; head < step.num_q_heads; head++) {
-        float* s = scores + head * (CHUNK + LANES);
-        const float top = dot_rows<dim>(queries + head * dim, rows + head / heads_per_kv * CHUNK * dim, length, s);
-        float sum = 0.f;
-        for (int64_t t = 0; t < length; t++) {
-            s[t] = exp_nonpositive(s[t] - top);
-            sum += s[t];
+    // the query heads sharing a KV head, in packs of at most pack_size as equal as can be (3 as one pack, 8 as 4 + 4)
+    const int64_t packs = (heads_per_kv + pack_size<dim>() - 1) / pack_size<dim>();
+    const auto pack_heads = [&](int64_t p) { return heads_per_kv / packs + (p < heads_per_kv % packs); };
+    // f(heads, pass, t0) for every LANES tokens from t0, KV head and pack of query heads
+    const auto each_pass = [&](const void* cache, const _Float16* scales, const auto& f) {
+        int64_t slots[LANES];
+        for (int64_t t0 = 0; t0 < length; t0 += LANES) {
+            const int64_t count = std::min(LANES, length - t0);
+            for (int64_t t = 0; t < count; t++) slots[t] = slot_of(t0 + t);
+            for (int64_t t = t0 + LANES; t < std::min(t0 + 2 * LANES, length); t++)
+                prefetch_rows<kind, dim>(cache, slot_of(t) * kv_heads, kv_heads, scales);
+            for (int64_t kv_head = 0; kv_head < kv_heads; kv_head++)
+                for (int64_t p = 0, first = kv_head * heads_per_kv; p < packs; first += pack_heads(p), p++)
+                    with_heads<pack_size<dim>()>(pack_heads(p), [&](auto heads) {
+                        f(heads, Pass{cache, scales, slots, count, kv_heads, kv_head, first}, t0);
+                    });
         }
+    };
+    each_pass(step.k_cache, step.k_scales, [&]<typename Heads>(Heads, const Pass& pass, int64_t t0) {
+        score_pack<kind, dim, Heads::value>(pass, queries, scores + t0);
+    });
+    const int64_t padded = (length + LANES - 1) / LANES * LANES;  // score_pack wrote -FLT_MAX past length
+    for (int64_t head = 0; head < heads; head++) {
+        float* s = scores + head * (CHUNK + LANES);
+        Floats tops = Floats{} - FLT_MAX;
+        for (int64_t t = 0; t < padded; t += LANES) {
+            const Floats values = qrun_load_floats(s + t);
+            tops = values > tops ? values : tops;
+        }
+        float top = -FLT_MAX;
+        for (int64_t i = 0; i < LANES; i++) top = std::max(top, tops[i]);
+        for (int64_t t = 0; t < length; t++) s[t] = exp_nonpositive(s[t] - top);
+        float sum = 0.f;
+        for (int64_t t = 0; t < length; t++) sum += s[t];
         partial.top[head] = top;
         partial.sum[head] = sum;
     }
-    load_rows<kind, dim>(step.v_cache, step.v_scales, slot_of, length, kv_heads, rows);
-    for (int64_t head = 0; head < step.num_q_heads; head++)
-        weighted_sum<dim>(scores + head * (CHUNK + LANES), rows + head / heads_per_kv * CHUNK * dim, length,
-                          partial.acc + head * dim);
+    std::fill_n(partial.acc, heads * dim, 0.f);
+    each_pass(step.v_cache, step.v_scales, [&]<typename Heads>(Heads, const Pass& pass, int64_t t0) {
+        accumulate_pack<kind, dim, Heads::value>(pass, scores + t0, partial.acc);
+    });
 }
 
 // Every decode row of the step; prefill rows (query length > 1) are left to the caller.
@@ -290,7 +382,7 @@ void decode_attention(const Step& step) {
     };
 #pragma omp parallel num_threads(step.threads)
     {
-        std::vector<float> queries(heads * dim), scores(heads * (CHUNK + LANES)), rows(step.num_kv_heads * CHUNK * dim);
+        std::vector<float> queries(heads * dim), scores(heads * (CHUNK + LANES));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
@@ -299,7 +391,7 @@ void decode_attention(const Step& step) {
             const float* q = step.q + step.query_start_loc[seq] * heads * dim;
             for (int64_t i = 0; i < heads * dim; i++) queries[i] = q[i] * step.scale;
             attend_chunk<kind, dim>(step, queries.data(), step.block_tables + seq * step.table_width, begin,
-                                    std::min<int64_t>(begin + CHUNK, step.seq_lens[seq]), scores.data(), rows.data(),
+                                    std::min<int64_t>(begin + CHUNK, step.seq_lens[seq]), scores.data(),
                                     partial_of(chunk));
         }
         // each decode row's heads: its chunks merged, in chunk order
