@@ -26,7 +26,7 @@ byte shuffles from the packed nibbles, no float math per weight), x unrounded, e
 float32 and scaled after, so its only rounding is float32 summation's (`quant_matmul_ref` within
 1e-6 relative before the output's rounding). SmolLM2's 3072 x 576 at 32 rows: 0.15 ms against the
 VNNI kernel's 0.23 (and oneDNN's 0.2 for the dense bfloat16 weight). Its per-group scaling grows
-with the rows, so from `tile_dequantize_rows(group)` rows on it dequantizes each pair of channel
+with the rows, so from `tile_dequantize_rows()` rows on it dequantizes each pair of channel
 tiles' weights to bfloat16 once and sums all inputs on the tiles unscaled ("weights mode"), and
 from `dequantize_rows()` rows on (prefill chunks) the weight is dequantized
 (`dequantize_planes`, the reference's float weights rounded once to bfloat16) and multiplied by
@@ -138,15 +138,18 @@ def tile_rows() -> int:
     return TILE_ROWS if cpu_library.available() and torch.ops.qrun.quant_matmul_tiles_available() else 0
 
 
-def tile_dequantize_rows(group: int) -> int:
+def tile_dequantize_rows(group: int, high_plane: bool) -> int:
     """From how many rows of bfloat16 inputs the AMX kernel runs in weights mode for a weight in
-    groups of `group` inputs: the codes mode's scaling costs per row and group, the weights mode's
-    dequantization per weight. SmolLM2's 120 layer linears (30 layers' distinct weights, so read
-    from memory as in a step) on a 2-core Xeon, ms, codes / weights mode: in groups of 32, 14.0 /
-    11.4 at 16 rows, 21.7 / 16.2 at 32, 35.9 / 26.1 at 56; in groups of 96 (128 for the 1536-input
-    down projection), 8.2-8.5 / 10.3-10.8 at 16, 11.7-12.0 / 17.3-17.5 at 32, and from 56 rows on
-    level within the noise (+-20% between runs). Half the group size is where they meet."""
-    return max(1, group // 2)
+    groups of `group` inputs: the codes mode's scaling costs per row, group and plane, the weights
+    mode's dequantization per weight (a high plane's digits dequantized with the low ones', so its
+    tiles multiply once). SmolLM2's 120 layer linears (30 layers' distinct weights, so read from
+    memory as in a step) on a 2-core Xeon, ms, codes / weights mode: in groups of 32, 14.0 / 11.4
+    at 16 rows, 21.7 / 16.2 at 32, 35.9 / 26.1 at 56; in groups of 96 (128 for the 1536-input down
+    projection), 8.2-8.5 / 10.3-10.8 at 16, 11.7-12.0 / 17.3-17.5 at 32, and from 56 rows on level
+    within the noise (+-20% between runs). Half the group size is where they meet. With a high
+    plane codes mode's work doubles: the 4.0-bpw SmolLM2's 6-bit head (49152 x 576, groups of 96)
+    took 3.1 / 3.5 ms at 24 rows, 4.3 / 3.7 at 32, 7.4 / 4.6 at 48, so a quarter of the group."""
+    return max(1, group // (4 if high_plane else 2))
 
 
 @functools.cache
@@ -191,9 +194,9 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
                  k_high: int, input_digits: int) -> torch.Tensor:
     """y [M, out_features] (x's dtype) = x W^T (+ x[:, :k_high] W_high^T): the VNNI kernel with x
     rounded to `input_digits` int8 digits (1 or 2); bfloat16 rows from `tile_rows()` rows on the
-    AMX kernel (x as it is; in weights mode from `tile_dequantize_rows(group)` rows), from
+    AMX kernel (x as it is; in weights mode from `tile_dequantize_rows()` rows), from
     `dequantize_rows()` on oneDNN on the dequantized weight (the op decides; the C++ decode layer
     passes it the same thresholds)."""
     return torch.ops.qrun.quant_matmul(x, codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
                                        high_zeros, high_centers, k_high, input_digits, tile_rows(),
-                                       tile_dequantize_rows(group), dequantize_rows())
+                                       tile_dequantize_rows(group, high_codes is not None), dequantize_rows())

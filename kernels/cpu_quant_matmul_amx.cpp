@@ -170,56 +170,70 @@ void multiply_plane(const Problem& p, const Plane& plane, int64_t t0, uint8_t* u
     }
 }
 
-// Weights mode: every block of channel tile `tile` of the plane, dequantized, as tdpbf16ps's B operand (the layout
-// of unpack_blocks, each value the bfloat16 of (code - center) * scale + zero).
-void dequantize_blocks(const Plane& plane, int64_t group, int64_t tile, uint8_t* out) {
+// Weights mode: every block of channel tile `tile` of the planes, dequantized, as tdpbf16ps's B operand (the layout
+// of unpack_blocks, each value the bfloat16 of the low plane's (code - center) * scale + zero plus, over the high
+// plane's inputs, the high plane's: summed in float32 and rounded once, as dequantize_planes rounds).
+void dequantize_blocks(const Plane& low, const Plane* high, int64_t group, int64_t tile, uint8_t* out) {
     const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     const __m512i nibble = _mm512_set1_epi8(15), exponent = _mm512_set1_epi8(0x43);
     const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000));
     // _mm512_cvtne2ps_pbh(odd, even) puts even's 16 values in the low half: back to pairs (even, odd) per channel
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const int64_t groups = plane.k / group, blocks = group / BLOCK_K;
-    const uint8_t* codes = plane.codes + tile * (plane.k / BLOCK_K) * 4 * 64;
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t at = (tile * groups + g) * TILE_N;
+    const int64_t blocks = group / BLOCK_K;
+    // per slice of a plane's group g: its four B-tile rows' values (even inputs, odd inputs) as floats
+    struct Values {
+        __m512 even[4], odd[4];
+    };
+    const auto dequantize_slice = [&](const Plane& plane, int64_t g, int64_t slice) {
+        const int64_t groups = plane.k / group, at = (tile * groups + g) * TILE_N;
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.scales + at)));
         const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
         // w = (128 + code) * scale + offset, (128 + code) being the bfloat16 codes mode multiplies
         const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f + plane.centers[g * blocks]), scale, zero);
+        const uint8_t* codes = plane.codes + tile * (plane.k / BLOCK_K) * 4 * 64;
+        const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(codes + slice * 64), pairs);
+        const __m512i low_nibbles = _mm512_and_si512(bytes, nibble);
+        const __m512i high_nibbles = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+        const __m512i rows[4] = {_mm512_unpacklo_epi8(low_nibbles, exponent),
+                                 _mm512_unpackhi_epi8(low_nibbles, exponent),
+                                 _mm512_unpacklo_epi8(high_nibbles, exponent),
+                                 _mm512_unpackhi_epi8(high_nibbles, exponent)};
+        Values values;
+        for (int r = 0; r < 4; r++) {  // a row's 32 bfloat16 codes as floats: even inputs, then odd ones
+            values.even[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(rows[r], 16)), scale, offset);
+            values.odd[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(rows[r], high_half)), scale, offset);
+        }
+        return values;
+    };
+    for (int64_t g = 0; g < low.k / group; g++)
         for (int64_t slice = g * blocks * 4; slice < (g + 1) * blocks * 4; slice++) {
-            const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(codes + slice * 64), pairs);
-            const __m512i low = _mm512_and_si512(bytes, nibble);
-            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-            const __m512i rows[4] = {_mm512_unpacklo_epi8(low, exponent), _mm512_unpackhi_epi8(low, exponent),
-                                     _mm512_unpacklo_epi8(high, exponent), _mm512_unpackhi_epi8(high, exponent)};
-            for (int r = 0; r < 4; r++) {  // a row's 32 bfloat16 codes as floats: even inputs, then odd ones
-                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(rows[r], 16));
-                const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(rows[r], high_half));
-                const __m512i both = __m512i(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(odd, scale, offset),
-                                                                 _mm512_fmadd_ps(even, scale, offset)));
+            Values values = dequantize_slice(low, g, slice);
+            if (high && g * group < high->k) {
+                const Values upper = dequantize_slice(*high, g, slice);
+                for (int r = 0; r < 4; r++) {
+                    values.even[r] = _mm512_add_ps(values.even[r], upper.even[r]);
+                    values.odd[r] = _mm512_add_ps(values.odd[r], upper.odd[r]);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                const __m512i both = __m512i(_mm512_cvtne2ps_pbh(values.odd[r], values.even[r]));
                 _mm512_store_si512(out + (slice * 4 + r) * 64, _mm512_permutexvar_epi16(interleave, both));
             }
         }
-    }
 }
 
 // Weights mode for channel tiles t0 (and t0 + 1): their planes dequantized into `buffer`, then every row.
 template <bool two_tiles, bool two_row_tiles>
-void multiply_dequantized(const Problem& p, const Plane* planes, int count, int64_t t0, uint8_t* buffer, float* sums) {
-    const uint8_t* weights[2][2];
-    uint8_t* next = buffer;
-    for (int q = 0; q < count; q++)
-        for (int t = 0; t < (two_tiles ? 2 : 1); t++) {
-            dequantize_blocks(planes[q], p.group, t0 + t, next);
-            weights[q][t] = next;
-            next += planes[q].k / BLOCK_K * BLOCK_BYTES;
-        }
+void multiply_dequantized(const Problem& p, const Plane& low, const Plane* high, int64_t t0, uint8_t* buffer,
+                          float* sums) {
+    const int64_t tile_bytes = low.k / BLOCK_K * BLOCK_BYTES;
+    for (int t = 0; t < (two_tiles ? 2 : 1); t++)
+        dequantize_blocks(low, high, p.group, t0 + t, buffer + t * tile_bytes);
     for (int64_t m0 = 0; m0 < p.rows; m0 += 2 * TILE_ROWS) {
         zero_sums<two_tiles, two_row_tiles>();
-        for (int q = 0; q < count; q++)
-            multiply_blocks<two_tiles, two_row_tiles>(p, weights[q][0], weights[q][two_tiles ? 1 : 0], 0,
-                                                      planes[q].k / BLOCK_K, m0);
+        multiply_blocks<two_tiles, two_row_tiles>(p, buffer, buffer + (two_tiles ? tile_bytes : 0), 0, low.k / BLOCK_K,
+                                                  m0);
         store_sums<two_tiles, two_row_tiles>(sums);
         const int64_t rows = std::min<int64_t>(2 * TILE_ROWS, p.rows - m0);
         for (int64_t r = 0; r < rows; r++)
@@ -273,8 +287,8 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
     const int64_t tiles = n / TILE_N;
 #pragma omp parallel num_threads(threads)
     {
-        // codes mode: a group of two channel tiles, unpacked; weights mode: both planes of two channel tiles
-        const int64_t blocks = dequantize_weights ? 2 * (k / BLOCK_K) : group / BLOCK_K;
+        // codes mode: a group of two channel tiles, unpacked; weights mode: two channel tiles
+        const int64_t blocks = dequantize_weights ? k / BLOCK_K : group / BLOCK_K;
         std::vector<uint8_t> storage(2 * blocks * BLOCK_BYTES + 64);
         const uintptr_t aligned = (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63);
         uint8_t* buffer = reinterpret_cast<uint8_t*>(aligned);
@@ -287,10 +301,11 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
             const int64_t t0 = 2 * pair;
             const bool two_tiles = t0 + 1 < tiles;
             if (dequantize_weights) {
-                if (two_tiles && two_row_tiles) multiply_dequantized<true, true>(p, planes, count, t0, buffer, sums);
-                else if (two_tiles) multiply_dequantized<true, false>(p, planes, count, t0, buffer, sums);
-                else if (two_row_tiles) multiply_dequantized<false, true>(p, planes, count, t0, buffer, sums);
-                else multiply_dequantized<false, false>(p, planes, count, t0, buffer, sums);
+                const Plane* high = count == 2 ? &planes[1] : nullptr;
+                if (two_tiles && two_row_tiles) multiply_dequantized<true, true>(p, planes[0], high, t0, buffer, sums);
+                else if (two_tiles) multiply_dequantized<true, false>(p, planes[0], high, t0, buffer, sums);
+                else if (two_row_tiles) multiply_dequantized<false, true>(p, planes[0], high, t0, buffer, sums);
+                else multiply_dequantized<false, false>(p, planes[0], high, t0, buffer, sums);
                 continue;
             }
             for (int64_t m = 0; m < rows; m++)

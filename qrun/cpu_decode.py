@@ -51,7 +51,8 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
         planes = module.planes if module.planes[4] is not None else module.planes[:4]
         return (QUANT, list(planes), module.bias, module.perm, signs, odd, module.out_features, module.group,
                 module.k_high, module.input_digits, cpu_quant_matmul.tile_rows(),
-                cpu_quant_matmul.tile_dequantize_rows(module.group), cpu_quant_matmul.dequantize_rows())
+                cpu_quant_matmul.tile_dequantize_rows(module.group, len(planes) > 4),
+                cpu_quant_matmul.dequantize_rows())
     if signs is not None:
         return None  # dense linears are never rotated
     if isinstance(module, CpuDenseLinear):

@@ -82,7 +82,7 @@ def test_cpu_decode_layers_run_a_mixed_bit_model_as_the_torch_layers(tiny_llama6
     if tile_rows and not cpu_quant_matmul.tile_rows():
         pytest.skip("no AMX kernel on this machine")
     monkeypatch.setattr(cpu_quant_matmul, "tile_rows", lambda: tile_rows)
-    monkeypatch.setattr(cpu_quant_matmul, "tile_dequantize_rows", lambda group: tile_dequantize_rows)
+    monkeypatch.setattr(cpu_quant_matmul, "tile_dequantize_rows", lambda group, high_plane: tile_dequantize_rows)
     monkeypatch.setattr(cpu_quant_matmul, "dequantize_rows", lambda: dequantize_rows)
     converted = tmp_path / "llama-q"
     convert(tiny_llama64_dir, converted, bits=5.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
