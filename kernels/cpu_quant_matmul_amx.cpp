@@ -189,8 +189,9 @@ void dequantize_blocks(const Plane& low, const Plane* high, int64_t group, int64
         const int64_t groups = plane.k / group, at = (tile * groups + g) * TILE_N;
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.scales + at)));
         const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
-        // w = (128 + code) * scale + offset, (128 + code) being the bfloat16 codes mode multiplies
-        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f + plane.centers[g * blocks]), scale, zero);
+        // w = ((128 + code) - (128 + center)) * scale + zero, (128 + code) being the bfloat16 codes mode multiplies:
+        // the difference is exact, so every value is dequantize_planes' to the bit (no fused multiply-add)
+        const __m512 center = _mm512_set1_ps(128.f + plane.centers[g * blocks]);
         const uint8_t* codes = plane.codes + tile * (plane.k / BLOCK_K) * 4 * 64;
         const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(codes + slice * 64), pairs);
         const __m512i low_nibbles = _mm512_and_si512(bytes, nibble);
@@ -200,9 +201,12 @@ void dequantize_blocks(const Plane& low, const Plane* high, int64_t group, int64
                                  _mm512_unpacklo_epi8(high_nibbles, exponent),
                                  _mm512_unpackhi_epi8(high_nibbles, exponent)};
         Values values;
+        const auto weight = [&](__m512 code) {
+            return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(code, center), scale), zero);
+        };
         for (int r = 0; r < 4; r++) {  // a row's 32 bfloat16 codes as floats: even inputs, then odd ones
-            values.even[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(rows[r], 16)), scale, offset);
-            values.odd[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(rows[r], high_half)), scale, offset);
+            values.even[r] = weight(_mm512_castsi512_ps(_mm512_slli_epi32(rows[r], 16)));
+            values.odd[r] = weight(_mm512_castsi512_ps(_mm512_and_si512(rows[r], high_half)));
         }
         return values;
     };
