@@ -24,7 +24,7 @@ from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
-from qrun.kernels.rotation import rotate, unrotate
+from qrun.kernels.rotation import reflect, rotate, unrotate
 
 _CHOICES = ("auto", "torch", "triton", "cpu")
 
@@ -38,6 +38,7 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     # GPUs rotate through torch's matmuls (cuBLAS): a kernel of its own did not pay there
     "rotate": {"torch": rotate, "triton": rotate, "cpu": cpu_rotation.rotate_cpu},
     "unrotate": {"torch": unrotate, "triton": unrotate, "cpu": cpu_rotation.unrotate_cpu},
+    "reflect": {"torch": reflect, "triton": reflect, "cpu": cpu_rotation.reflect_cpu},
 }
 
 

@@ -171,11 +171,12 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
 
     // A quantized cache's transforms (qrun/kv_cache.py's LayerKV): queries times their balance, keys centred on
-    // their layer's mean and times theirs (all three or none), then q, k and v rotated (the attention's output
-    // rotated back) by kernels/cpu_rotation.cpp with `signs` and `odd_factor`.
+    // their layer's mean and times theirs (all three or none), both reflected by `key_reflection` (float32 [kv heads,
+    // head_dim]; none: not), then q, k and v rotated (the attention's output rotated back) by
+    // kernels/cpu_rotation.cpp with `signs` and `odd_factor`.
     void set_cache_transforms(std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
                               std::optional<at::Tensor> key_mean, std::optional<at::Tensor> key_balance,
-                              std::optional<at::Tensor> query_balance) {
+                              std::optional<at::Tensor> query_balance, std::optional<at::Tensor> key_reflection) {
         const auto shaped = [&](const std::optional<at::Tensor>& t, int64_t heads) {
             return t && t->is_contiguous() && t->numel() == heads * head_dim_;
         };
@@ -184,11 +185,15 @@ class DecodeLayer : public torch::CustomClassHolder {
                          shaped(query_balance, num_heads_)),
                     "DecodeLayer.set_cache_transforms: key_mean and key_balance must be contiguous [kv heads, "
                     "head_dim], query_balance [heads, head_dim], all three or none");
+        TORCH_CHECK(!key_reflection || (shaped(key_reflection, num_kv_heads_) &&
+                                        key_reflection->scalar_type() == at::kFloat),
+                    "DecodeLayer.set_cache_transforms: key_reflection must be contiguous float32 [kv heads, head_dim]");
         rotation_signs_ = std::move(signs);
         rotation_odd_factor_ = std::move(odd_factor);
         key_mean_ = std::move(key_mean);
         key_balance_ = std::move(key_balance);
         query_balance_ = std::move(query_balance);
+        key_reflection_ = std::move(key_reflection);
     }
 
   private:
@@ -272,6 +277,11 @@ class DecodeLayer : public torch::CustomClassHolder {
                 for (int64_t d = 0; d < dim; d++)
                     out[d] = T(float(T(float(k[d]) - float(mean[d]))) * float(balance[d]));
             });
+        if (key_reflection_)  // in place, by the kernel the eager layers' reflect runs
+            for (const at::Tensor& heads : {queries, keys})
+                qrun_reflect(heads.data_ptr(), heads.data_ptr(), std::is_same_v<T, float> ? 0 : 1,
+                             key_reflection_->data_ptr<float>(), rows, heads.size(1), num_kv_heads_, dim,
+                             at::get_num_threads());
         for (const at::Tensor& heads : {queries, keys, values}) rotate_heads<T>(heads, false);
         at::Tensor k_cache = cache.k, v_cache = cache.v, k_scales = *cache.k_scales, v_scales = *cache.v_scales;
         store.call(keys, values, k_cache, v_cache, slot_mapping, k_scales, v_scales);
@@ -350,7 +360,8 @@ class DecodeLayer : public torch::CustomClassHolder {
         });
     }
 
-    std::optional<at::Tensor> rotation_signs_, rotation_odd_factor_, key_mean_, key_balance_, query_balance_;
+    std::optional<at::Tensor> rotation_signs_, rotation_odd_factor_, key_mean_, key_balance_, query_balance_,
+        key_reflection_;
     at::Tensor input_norm_, post_attention_norm_;
     double eps_;
     int64_t num_heads_, num_kv_heads_, head_dim_;

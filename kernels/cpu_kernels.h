@@ -39,6 +39,8 @@ extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* s
 extern "C" int qrun_quant_matmul_available();
 extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout, int kind, const float* signs,
                            const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int inverse, int threads);
+extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, int64_t rows, int64_t heads,
+                            int64_t kv_heads, int64_t dim, int threads);
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales,
                                  const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,

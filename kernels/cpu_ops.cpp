@@ -269,6 +269,22 @@ at::Tensor unrotate(const at::Tensor& x, const at::Tensor& signs, const std::opt
     return rotate_or_unrotate(x, signs, odd_factor, true);
 }
 
+// x: float32 or bfloat16 [rows, heads, dim]; u: float32 [kv_heads, dim] (rotation.py's reflect)
+at::Tensor reflect(const at::Tensor& x, const at::Tensor& u) {
+    TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "reflect: x must be float32 or bfloat16 [rows, heads, head_dim], got ", x.scalar_type(), " ",
+                x.sizes());
+    TORCH_CHECK(u.scalar_type() == at::kFloat && u.dim() == 2 && u.size(1) == x.size(2) && u.size(0) > 0 &&
+                    x.size(1) % u.size(0) == 0,
+                "reflect: u must be float32 [kv_heads, ", x.size(2), "] with kv_heads dividing ", x.size(1),
+                " heads, got ", u.scalar_type(), " ", u.sizes());
+    const at::Tensor rows = x.contiguous(), normals = u.contiguous();
+    at::Tensor out = at::empty_like(rows);
+    qrun_reflect(rows.data_ptr(), out.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, normals.data_ptr<float>(),
+                 x.size(0), x.size(1), u.size(0), x.size(2), at::get_num_threads());
+    return out;
+}
+
 at::Tensor half_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                 "half_gemv: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
@@ -358,6 +374,8 @@ at::Tensor rotate_shape(const at::Tensor& x, const at::Tensor&, const std::optio
     return at::empty_like(x);
 }
 
+at::Tensor reflect_shape(const at::Tensor& x, const at::Tensor&) { return at::empty_like(x); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
@@ -374,6 +392,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
           "int k_high) -> Tensor");
     m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
     m.def("unrotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
+    m.def("reflect(Tensor x, Tensor u) -> Tensor");
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -389,6 +408,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("dequantize_planes", &dequantize_planes);
     m.impl("rotate", &rotate);
     m.impl("unrotate", &unrotate);
+    m.impl("reflect", &reflect);
     m.impl("gather_columns", &gather_columns);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
@@ -402,6 +422,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("quant_matmul", &quant_matmul_shape);
     m.impl("rotate", &rotate_shape);
     m.impl("unrotate", &rotate_shape);
+    m.impl("reflect", &reflect_shape);
     m.impl("gather_columns", &gather_columns_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);

@@ -1,4 +1,5 @@
-// The input rotation x -> (x * signs) F of kernels/rotation.py for CPUs, and its inverse x -> (x F) * signs.
+// The input rotation x -> (x * signs) F of kernels/rotation.py for CPUs, and its inverse x -> (x F) * signs; and
+// rotation.py's reflect, x -> x - 2 (x . u) u per head.
 // F = F_odd (x) H: the Hartley transform of K's odd part (kernels/rotation.py's outermost factor) times the
 // Sylvester-Hadamard matrix of its power-of-two part, which is what the Kronecker product of rotation.py's
 // power-of-two factors is. Built and documented by kernels/cpu_rotation.py.
@@ -128,7 +129,32 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
     }
 }
 
+// Each head row of x [rows][heads][dim] reflected into out: x - 2 (x . u) u with its KV head's u (heads / kv_heads
+// query heads share one), in float32.
+template <int kind>
+void reflect_rows(const void* x, void* out, const float* u, int64_t rows, int64_t heads, int64_t kv_heads,
+                  int64_t dim, int threads) {
+    const int64_t items = rows * heads, group = heads / kv_heads;
+#pragma omp parallel for schedule(static) num_threads(items * dim >= (1 << 16) ? threads : 1)
+    for (int64_t item = 0; item < items; item++) {
+        const float* normal = u + item % heads / group * dim;
+        const int64_t at = item * dim;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; d++) dot += load<kind>(x, at + d) * normal[d];
+        for (int64_t d = 0; d < dim; d++) store<kind>(out, at + d, load<kind>(x, at + d) - 2.f * dot * normal[d]);
+    }
+}
+
 }  // namespace
+
+// x, out: [rows, heads, dim] float32 (kind 0) or bfloat16 (kind 1), contiguous (out may be x); u: float32 [kv_heads,
+// dim], heads a multiple of kv_heads. Returns 0, or 1 for an unknown kind or heads not a multiple of kv_heads.
+extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, int64_t rows, int64_t heads,
+                            int64_t kv_heads, int64_t dim, int threads) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || (kind != F32 && kind != BF16)) return 1;
+    (kind == F32 ? reflect_rows<F32> : reflect_rows<BF16>)(x, out, u, rows, heads, kv_heads, dim, threads);
+    return 0;
+}
 
 // x, out: [rows, k] float32 (kind 0) or bfloat16 (kind 1), rows `ldx` / `ldout` elements apart (out may be x);
 // signs: float32 [k]; odd_factor: float32 [odd, odd] (null when odd is 1), k / odd a power of two; inverse: x F

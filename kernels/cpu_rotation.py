@@ -1,6 +1,6 @@
 """The input rotation of mixed-bit models and of quantized KV caches on CPUs: `kernels/rotation.py`'s
-`rotate` and `unrotate`, same signatures, as one C++ call each (`cpu_rotation.cpp`, through
-`torch.ops.qrun.rotate` and `torch.ops.qrun.unrotate`).
+`rotate`, `unrotate` and `reflect`, same signatures, as one C++ call each (`cpu_rotation.cpp`,
+through `torch.ops.qrun.rotate`, `unrotate` and `reflect`).
 
 F's power-of-two factors multiply to one Sylvester-Hadamard matrix, so the kernel runs it as a fast
 Walsh-Hadamard transform and contracts only the odd factor as a matrix. At one to a few rows this
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qrun.kernels.rotation import rotate, rotation_factors, unrotate
+from qrun.kernels.rotation import reflect, rotate, rotation_factors, unrotate
 
 
 def rotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
@@ -26,6 +26,14 @@ def rotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor
 def unrotate_cpu(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`rotation.unrotate`, as `rotate_cpu` is `rotation.rotate`."""
     return _through_kernel(torch.ops.qrun.unrotate, unrotate, x, signs, factors)
+
+
+def reflect_cpu(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`rotation.reflect` through the C++ kernel where it takes x (float32 or bfloat16 [rows, H, D]),
+    else through the reference."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or u.dtype != torch.float32 or x.device.type != "cpu":
+        return reflect(x, u)
+    return torch.ops.qrun.reflect(x.reshape(-1, *x.shape[-2:]), u).view(x.shape)
 
 
 def _through_kernel(kernel, reference, x: torch.Tensor, signs: torch.Tensor,

@@ -99,6 +99,17 @@ def unrotate(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, 
     return cast(_apply_f(cast(x, dtype), factors) * cast(signs, dtype), x.dtype)
 
 
+def reflect(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] -> each head's row reflected in the hyperplane orthogonal to its KV head's unit
+    vector (u: [Hkv, D], H a multiple of Hkv; query heads h share u[h // (H / Hkv)]): x - 2 (x . u) u,
+    in float32 (float64 stays). Orthogonal and its own inverse, so reflecting queries and keys
+    alike keeps every q . k."""
+    dtype = _compute_dtype(x)
+    normals = cast(u, dtype).repeat_interleave(x.shape[-2] // u.shape[0], 0)
+    rows = cast(x, dtype)
+    return cast(rows - 2 * (rows * normals).sum(-1, keepdim=True) * normals, x.dtype)
+
+
 def random_signs(k: int, seed: int = 0) -> torch.Tensor:
     """+-1 float32 [K], reproducible from the seed."""
     gen = torch.Generator().manual_seed(seed)

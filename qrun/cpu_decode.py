@@ -87,7 +87,8 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     for slot, args in enumerate(linears):
         fused.set_linear(slot, *args)
     odd = None if cache.rotation_factors is None else odd_factor(cache.rotation_factors)
-    fused.set_cache_transforms(cache.rotation_signs, odd, cache.k_mean, cache.k_balance, cache.q_balance)
+    fused.set_cache_transforms(cache.rotation_signs, odd, cache.k_mean, cache.k_balance, cache.q_balance,
+                               cache.k_reflection)
     return fused
 
 

@@ -94,6 +94,8 @@ class Attention(nn.Module):
             self.observe_queries_keys(q, k)
         if cache.k_mean is not None:  # a quantized cache holds calibrated keys (qrun/kv_cache.py)
             q, k = q * cache.q_balance, (k - cache.k_mean) * cache.k_balance
+        if cache.k_reflection is not None:
+            q, k = self.ops.reflect(q, cache.k_reflection), self.ops.reflect(k, cache.k_reflection)
         signs, factors = cache.rotation_signs, cache.rotation_factors
         if signs is not None:  # ... rotated (qrun/kv_cache.py)
             q, k, v = (self.ops.rotate(t, signs, factors) for t in (q, k, v))

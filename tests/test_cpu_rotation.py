@@ -1,4 +1,5 @@
-"""The C++ rotation and its inverse equal kernels/rotation.py's to float32 rounding, whatever the shape."""
+"""The C++ rotation, its inverse and the per-head reflection equal kernels/rotation.py's to float32 rounding,
+whatever the shape."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from qrun.kernels import cpu_library
-from qrun.kernels.cpu_rotation import rotate_cpu, unrotate_cpu
-from qrun.kernels.rotation import random_signs, rotate, rotation_factors, unrotate
+from qrun.kernels.cpu_rotation import reflect_cpu, rotate_cpu, unrotate_cpu
+from qrun.kernels.rotation import random_signs, reflect, rotate, rotation_factors, unrotate
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
 
@@ -43,3 +44,38 @@ def test_cpu_rotation_names_an_input_size_it_cannot_split():
     x = torch.randn(2, 576)
     with pytest.raises(RuntimeError, match="576 inputs are not 5 times a power of two"):
         torch.ops.qrun.rotate(x, random_signs(576).float(), torch.eye(5))
+
+
+def _unit_vectors(kv_heads: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    u = torch.randn(kv_heads, dim, generator=generator)
+    return u / u.norm(dim=-1, keepdim=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), kv_heads=st.integers(1, 4), group=st.sampled_from([1, 2, 3, 8]),
+       dim=st.sampled_from([32, 64, 80, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_cpu_reflection_matches_the_reference(rows, kv_heads, group, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, kv_heads * group, dim, generator=g).to(dtype)
+    u = _unit_vectors(kv_heads, dim, g)
+    got, expected = reflect_cpu(x, u), reflect(x.float(), u)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=1e-5)
+
+
+def test_reflection_is_its_own_inverse_and_keeps_each_query_key_product():
+    g = torch.Generator().manual_seed(3)
+    queries, keys = torch.randn(6, 8, 64, generator=g, dtype=torch.float64), torch.randn(6, 2, 64, generator=g,
+                                                                                          dtype=torch.float64)
+    u = _unit_vectors(2, 64, g).double()
+    u = u / u.norm(dim=-1, keepdim=True)  # unit in float64 too
+    for kernel in (reflect, reflect_cpu):
+        x = queries.float()
+        torch.testing.assert_close(kernel(kernel(x, u.float()), u.float()), x, rtol=1e-5, atol=1e-5)
+    scores = torch.einsum("nhgd,mhd->nhgm", queries.unflatten(1, (2, 4)), keys)
+    reflected = torch.einsum("nhgd,mhd->nhgm", reflect(queries, u).unflatten(1, (2, 4)), reflect(keys, u))
+    torch.testing.assert_close(reflected, scores, rtol=1e-12, atol=1e-12)

@@ -11,6 +11,7 @@ from qrun.kernels import ops_for
 from hypothesis import given, settings, strategies as st
 
 from qrun.kernels.kv_quant import dequantize_kv_ref, quantize_kv_ref
+from qrun.kernels.rotation import random_signs, reflect, rotate, rotation_factors
 from qrun.kv_cache import KVCache, KVCacheSpec, KeyCalibration
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -108,6 +109,22 @@ def test_key_calibration_shrinks_the_score_error_of_an_int4_key(seed):
 
     centred = keys - calibration.mean
     assert score_error(queries * q_balance, centred * calibration.balance) < 0.8 * score_error(queries, centred)
+
+
+@pytest.mark.parametrize("dim", [64, 96])  # a power of two, and 3 x 32 (the rotation's Hartley factor)
+def test_key_calibration_reflects_the_first_key_onto_what_the_rotation_makes_constant(dim):
+    """The first key (an attention sink), centred and balanced, reflected and rotated, has every element equal:
+    a shift that each quantization group's zero absorbs. The reflection is orthogonal: scores stay."""
+    queries, keys = _queries_keys(5, 6, 2, dim, spread=2.0)
+    keys[0] += 20 * torch.randn(2, dim, generator=torch.Generator().manual_seed(1))  # far from the mean
+    calibration = KeyCalibration.measure(queries, keys)
+    signs, factors = random_signs(dim, 7), rotation_factors(dim, torch.device("cpu"))
+    first = (keys[:1] - calibration.mean) * calibration.balance
+    image = rotate(reflect(first, calibration.reflection), signs, factors)
+    spread = image.amax(-1) - image.amin(-1)
+    assert (spread < 1e-4 * image.abs().amax(-1)).all() and (image.abs().amax(-1) > 1).all()
+    unreflected = rotate(first, signs, factors)
+    assert ((unreflected.amax(-1) - unreflected.amin(-1)) > 1).all()  # without it: far from constant
 
 
 def test_quantized_cache_batched_and_chunked_greedy_equals_sequential(quantized_llm):
