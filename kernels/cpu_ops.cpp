@@ -280,8 +280,10 @@ at::Tensor reflect(const at::Tensor& x, const at::Tensor& u) {
                 " heads, got ", u.scalar_type(), " ", u.sizes());
     const at::Tensor rows = x.contiguous(), normals = u.contiguous();
     at::Tensor out = at::empty_like(rows);
-    qrun_reflect(rows.data_ptr(), out.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, normals.data_ptr<float>(),
-                 x.size(0), x.size(1), u.size(0), x.size(2), at::get_num_threads());
+    const int status = qrun_reflect(rows.data_ptr(), out.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1,
+                                    normals.data_ptr<float>(), x.size(0), x.size(1), u.size(0), x.size(2),
+                                    at::get_num_threads());
+    TORCH_CHECK(status == 0, "reflect: ", x.size(1), " heads are not a multiple of ", u.size(0), " KV heads");
     return out;
 }
 

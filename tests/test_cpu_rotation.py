@@ -79,3 +79,8 @@ def test_reflection_is_its_own_inverse_and_keeps_each_query_key_product():
     scores = torch.einsum("nhgd,mhd->nhgm", queries.unflatten(1, (2, 4)), keys)
     reflected = torch.einsum("nhgd,mhd->nhgm", reflect(queries, u).unflatten(1, (2, 4)), reflect(keys, u))
     torch.testing.assert_close(reflected, scores, rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_reflection_names_kv_heads_that_do_not_divide_the_heads():
+    with pytest.raises(RuntimeError, match="kv_heads dividing 3 heads"):
+        torch.ops.qrun.reflect(torch.randn(2, 3, 64), torch.randn(2, 64))
