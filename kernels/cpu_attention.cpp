@@ -43,6 +43,7 @@ constexpr int64_t group_size() {
 
 // Row `index` of a cache ([slots * Hkv] rows of head_dim values) as floats. `scales` holds the
 // quantized kinds' (scale, zero) per group of each row (kernels/kv_quant.py).
+// row_vectors's fallback: the kinds and CPUs it does not convert in registers.
 template <int kind, int64_t dim>
 inline void load_row(const void* data, int64_t index, const _Float16* scales, float* out) {
     constexpr int64_t group = group_size<kind, dim>();
@@ -83,21 +84,6 @@ inline void load_row(const void* data, int64_t index, const _Float16* scales, fl
             const float step = half_to_float(scale_zero + 2 * g), zero = half_to_float(scale_zero + 2 * g + 1);
             const uint8_t* bytes = row + g * half;
             float* values = out + g * group;
-#if defined(__AVX512F__)
-            if constexpr (half % 16 == 0) {  // 16 bytes at a time (the compiler leaves the loops below scalar)
-                const __m512 steps = _mm512_set1_ps(step), zeros = _mm512_set1_ps(zero);
-                for (int64_t j = 0; j < half; j += 16) {
-                    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
-                    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
-                    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-                    _mm512_storeu_ps(values + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), steps,
-                                                                 zeros));
-                    _mm512_storeu_ps(values + j + half,
-                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), steps, zeros));
-                }
-                continue;
-            }
-#endif
             for (int64_t j = 0; j < half; j++) values[j] = float(bytes[j] & 15) * step + zero;
             for (int64_t j = 0; j < half; j++) values[j + half] = float(bytes[j] >> 4) * step + zero;
         }
