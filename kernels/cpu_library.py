@@ -20,6 +20,7 @@ why) and the kernel table keeps the torch references (`qrun.kernels.ops_for`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -87,6 +88,13 @@ def _build() -> None:
             if built.returncode != 0:
                 raise RuntimeError(f"{compiler} failed to build the CPU kernels:\n{built.stderr[-2000:]}")
     torch.ops.load_library(str(target))
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own check; absent from torch means unknown: no)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch
+    return check is not None and check()
 
 
 def available() -> bool:

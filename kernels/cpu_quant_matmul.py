@@ -122,11 +122,6 @@ def quant_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
-def _has_amx() -> bool:
-    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch: absent means unknown
-    return has_amx is not None and has_amx()
-
-
 @functools.cache
 def tile_rows() -> int:
     """From how many rows of bfloat16 inputs `quant_matmul` runs the AMX kernel (0: never; it needs
@@ -162,7 +157,7 @@ def dequantize_rows() -> int:
     oneDNN on the dense weights 68); against the VNNI kernel from far fewer (at 512 rows 0.85 +
     ~0.2 ms against 14 ms for one 3072 x 576 matrix). Without AMX the VNNI kernel was the faster at
     every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
-    if not _has_amx():
+    if not cpu_library.has_amx():
         return 0
     return TILED_DEQUANTIZE_ROWS if tile_rows() else cpu_int4.DEQUANTIZE_ROWS
 
