@@ -126,16 +126,16 @@ at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, 
                           (!high_codes ||
                            plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high));
     TORCH_CHECK(laid_out, "dequantize_planes: packed weights do not match [", out_features, ", ", k, "]");
-    at::Tensor out = at::empty({out_features, k}, codes.options().dtype(at::kBFloat16));
+    at::Tensor out = at::empty({k, out_features}, codes.options().dtype(at::kBFloat16));  // input-major
     const int status = qrun_dequantize_planes(
         static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const uint16_t*>(scales.data_ptr()),
         static_cast<const uint16_t*>(zeros.data_ptr()), static_cast<const int8_t*>(centers.data_ptr()),
         data_or_null<uint8_t>(high_codes), data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros),
         data_or_null<int8_t>(high_centers), out_features, k, k_high, group,
-        static_cast<uint16_t*>(out.data_ptr()), k, at::get_num_threads());
+        static_cast<uint16_t*>(out.data_ptr()), out_features, at::get_num_threads());
     TORCH_CHECK(status == 0, "dequantize_planes: cannot unpack a [", out_features, ", ", k, "] weight in groups of ",
                 group);
-    return out;
+    return out.t();
 }
 
 // y (float32) = x W^T (+ x[:, :k_high] W_high^T) on AMX tiles, x bfloat16.

@@ -222,30 +222,16 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
 #ifdef QRUN_HAS_VNNI
 namespace {
 
-// The 32 weights of channel c in block b of one plane's tile (the layout at the top), float32, into out[0..32): as
-// cpu_quant_matmul.py's unpack, the product with the scale and the sum with the zero each rounded (no fused
-// multiply-add: the exact float weights the reference gives).
-void dequantize_block(const uint8_t* block_codes, int64_t c, float center, float scale, float zero, float* out) {
-    // channel c's 4 bytes of each slice s: inputs 8s + j (low nibbles) and 8s + 4 + j (high ones)
-    const auto slice = [&](int s) { return *reinterpret_cast<const int32_t*>(block_codes + s * 64 + c * 4); };
-    const __m128i bytes = _mm_setr_epi32(slice(0), slice(1), slice(2), slice(3));
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15)), high = _mm_and_si128(_mm_srli_epi16(bytes, 4),
-                                                                                        _mm_set1_epi8(15));
-    const __m128i first = _mm_unpacklo_epi32(low, high), second = _mm_unpackhi_epi32(low, high);  // input order
-    const __m512 centre = _mm512_set1_ps(center), scales = _mm512_set1_ps(scale), zeros = _mm512_set1_ps(zero);
-    for (int half = 0; half < 2; half++) {
-        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(half ? second : first));
-        const __m512 product = _mm512_mul_ps(_mm512_sub_ps(codes, centre), scales);
-        _mm512_storeu_ps(out + 16 * half, _mm512_add_ps(product, zeros));
-    }
-}
-
 // 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (finite values).
 inline __m256i to_bfloat16(__m512 values) {
+#if defined(__AVX512BF16__)
+    return __m256i(_mm512_cvtneps_pbh(values));
+#else
     const __m512i bits = _mm512_castps_si512(values);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
 }
 
 struct Plane {
@@ -256,29 +242,33 @@ struct Plane {
     int64_t k;
 };
 
-inline float half_bits_to_float(uint16_t bits) {
-    _Float16 value;
-    std::memcpy(&value, &bits, sizeof(value));
-    return float(value);
-}
-
-// Channel n's weights in group g of `plane` (groups of `group` inputs) into out[0..group).
-void dequantize_group(const Plane& plane, int64_t group, int64_t n, int64_t g, float* out) {
-    const int64_t tile = n / TILE_N, c = n % TILE_N, blocks = plane.k / BLOCK_K, per_group = group / BLOCK_K;
-    const int64_t at = (tile * (plane.k / group) + g) * TILE_N + c;
-    const float scale = half_bits_to_float(plane.scales[at]), zero = half_bits_to_float(plane.zeros[at]);
-    for (int64_t i = 0; i < per_group; i++) {
-        const int64_t b = g * per_group + i;
-        dequantize_block(plane.codes + (tile * blocks + b) * 4 * 64, c, float(plane.centers[b]), scale, zero,
-                         out + i * BLOCK_K);
+// The weights of channel tile `tile` in block b of `plane` (groups of `group` inputs), 16 channels a vector:
+// values[i] holds input 32 b + i. As cpu_quant_matmul.py's unpack, the product with the scale and the sum with the
+// zero each rounded (no fused multiply-add: the exact float weights the reference gives).
+void dequantize_tile_block(const Plane& plane, int64_t group, int64_t tile, int64_t b, __m512 values[BLOCK_K]) {
+    const int64_t blocks = plane.k / BLOCK_K, at = (tile * (plane.k / group) + b * BLOCK_K / group) * TILE_N;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.scales + at)));
+    const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
+    const __m512 center = _mm512_set1_ps(float(plane.centers[b]));
+    const __m512i nibble = _mm512_set1_epi32(15);
+    const uint8_t* block = plane.codes + (tile * blocks + b) * 4 * 64;
+    for (int slice = 0; slice < 4; slice++) {  // channel c's 4 bytes: inputs 8s + j (low nibbles), 8s + 4 + j (high)
+        const __m512i words = _mm512_loadu_si512(block + slice * 64);
+        for (int j = 0; j < 4; j++)
+            for (int half = 0; half < 2; half++) {
+                const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(words, 8 * j + 4 * half), nibble);
+                const __m512 product = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), center), scale);
+                values[8 * slice + 4 * half + j] = _mm512_add_ps(product, zero);
+            }
     }
 }
 
 }  // namespace
 #endif
 
-// out [n, k] bfloat16 (row stride ldo) = the weight the planes hold: the low digits' plane over all k inputs, plus
-// the high digits' over the first k_high (high_codes null: none), summed in float32 and rounded once.
+// out [k, n] bfloat16 (row stride ldo) = the transpose of the weight the planes hold: the low digits' plane over all k
+// inputs, plus the high digits' over the first k_high (high_codes null: none), summed in float32 and rounded once.
+// Input-major, so each channel tile's 16 values of an input are one store (oneDNN multiplies either layout alike).
 // 0: done; 1: shapes the layout does not cover; 2: no kernel in this build.
 extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
                                       const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
@@ -288,22 +278,20 @@ extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scal
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
         return 1;
     const Plane low{codes, scales, zeros, centers, k}, high{high_codes, high_scales, high_zeros, high_centers, k_high};
-    std::vector<float> scratch(size_t(threads) * 2 * group);
+    // a block of inputs' rows at a time, whole: each thread writes rows of its own
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t row = 0; row < n; row++) {
-        float* values = scratch.data() + size_t(omp_get_thread_num()) * 2 * group;
-        float* upper = values + group;
-        for (int64_t g = 0; g < k / group; g++) {
-            dequantize_group(low, group, row, g, values);
-            if (high_codes && g * group < k_high) {
-                dequantize_group(high, group, row, g, upper);
-                for (int64_t i = 0; i < group; i++) values[i] += upper[i];
+    for (int64_t b = 0; b < k / BLOCK_K; b++)
+        for (int64_t tile = 0; tile < n / TILE_N; tile++) {
+            __m512 values[BLOCK_K], upper[BLOCK_K];
+            dequantize_tile_block(low, group, tile, b, values);
+            if (high_codes && b * BLOCK_K < k_high) {
+                dequantize_tile_block(high, group, tile, b, upper);
+                for (int i = 0; i < BLOCK_K; i++) values[i] = _mm512_add_ps(values[i], upper[i]);
             }
-            for (int64_t i = 0; i < group; i += 16)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * ldo + g * group + i),
-                                    to_bfloat16(_mm512_loadu_ps(values + i)));
+            for (int i = 0; i < BLOCK_K; i++)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b * BLOCK_K + i) * ldo + tile * TILE_N),
+                                    to_bfloat16(values[i]));
         }
-    }
     return 0;
 #else
     return 2;
