@@ -366,7 +366,8 @@ void decode_attention(const Step& step) {
         float* at = partials.data() + chunk * per_chunk;
         return Partial{at, at + heads, at + 2 * heads};
     };
-#pragma omp parallel num_threads(step.threads)
+    // one chunk (a short context at batch 1): no second thread to wake and wait for (8 against 13 us at 20 tokens)
+#pragma omp parallel num_threads(int(std::clamp<int64_t>(chunks, 1, step.threads)))
     {
         std::vector<float> queries(heads * dim), scores(heads * (CHUNK + LANES));
 #pragma omp for schedule(dynamic, 1)
