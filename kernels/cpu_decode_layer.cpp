@@ -127,11 +127,10 @@ template <typename T>
 inline void rotary(const T* x, const float* cos, const float* sin, int64_t dim, T* out) {
     const int64_t half = dim / 2;
     for (int64_t d = 0; d < half; d++) {
-        const float a = float(x[d]), b = float(x[d + half]);
-        // x * cos + rotate_half(x) * sin as torch's addcmul computes it: the product with cos rounded, the one
-        // with sin fused into the add
-        out[d] = T(std::fma(b, -sin[d], a * cos[d]));  // c10::BFloat16 and c10::Half round to nearest even
-        out[d + half] = T(std::fma(a, sin[d], b * cos[d]));
+        float first, second;
+        qrun_rotary_pair(float(x[d]), float(x[d + half]), cos[d], sin[d], first, second);
+        out[d] = T(first);  // c10::BFloat16 and c10::Half round to nearest even
+        out[d + half] = T(second);
     }
 }
 

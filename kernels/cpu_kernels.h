@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -15,6 +16,33 @@ inline uint16_t qrun_bfloat16_bits(float value) {
     std::memcpy(&bits, &value, sizeof(bits));
     const uint16_t rounded = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
     return (bits & 0x7FFFFFFF) > 0x7F800000 ? uint16_t(0x7FC0) : rounded;
+}
+
+// Element i of a row of float32 (kind 0) or bfloat16 (kind 1) values as a float, and a float stored as one (rounded to
+// nearest even). The kind is a template argument, so loops over a row vectorise without a branch per value.
+template <int kind>
+inline float qrun_load_value(const void* row, int64_t i) {
+    if constexpr (kind == 0) return static_cast<const float*>(row)[i];
+    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(row)[i]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+template <int kind>
+inline void qrun_store_value(void* row, int64_t i, float value) {
+    if constexpr (kind == 0)
+        static_cast<float*>(row)[i] = value;
+    else
+        static_cast<uint16_t*>(row)[i] = qrun_bfloat16_bits(value);
+}
+
+// Rotary position embedding (Hugging Face's half-split layout) of a head's elements d and d + dim / 2, a and b, as
+// torch's addcmul in kernels/rotary.py's reference computes x * cos + rotate_half(x) * sin: the product with cos
+// rounded, the one with sin fused into the add.
+inline void qrun_rotary_pair(float a, float b, float cos, float sin, float& first, float& second) {
+    first = std::fma(b, -sin, a * cos);
+    second = std::fma(a, sin, b * cos);
 }
 
 // 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
@@ -47,6 +75,8 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
                                  int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
                               int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads);
+extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out, const int64_t* positions,
+                                 const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads);
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
                              int64_t rows, int64_t hidden, float eps, int threads);
 extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,

@@ -13,28 +13,11 @@ namespace {
 enum Kind { F32 = 0, BF16 = 1 };
 
 template <int KIND>
-inline float load(const void* row, int64_t i) {
-    if constexpr (KIND == F32) return static_cast<const float*>(row)[i];
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(row)[i]) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof(value));
-    return value;
-}
-
-template <int KIND>
 inline float rounded(float value) {  // value as the dtype holds it
     if constexpr (KIND == F32) return value;
     const uint32_t bits = uint32_t(qrun_bfloat16_bits(value)) << 16;
     std::memcpy(&value, &bits, sizeof(value));
     return value;
-}
-
-template <int KIND>
-inline void store(void* row, int64_t i, float value) {
-    if constexpr (KIND == F32)
-        static_cast<float*>(row)[i] = value;
-    else
-        static_cast<uint16_t*>(row)[i] = qrun_bfloat16_bits(value);
 }
 
 template <int KIND>
@@ -49,17 +32,17 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
         char* out_row = static_cast<char*>(out) + r * hidden * width;
         float squares = 0.f;
         for (int64_t i = 0; i < hidden; i++) {
-            float value = load<KIND>(x_row, i);
+            float value = qrun_load_value<KIND>(x_row, i);
             if (res_row) {
-                value = rounded<KIND>(value + load<KIND>(res_row, i));
-                store<KIND>(sum_row, i, value);
+                value = rounded<KIND>(value + qrun_load_value<KIND>(res_row, i));
+                qrun_store_value<KIND>(sum_row, i, value);
             }
             squares += value * value;
         }
         const float inverse = 1.f / std::sqrt(squares / float(hidden) + eps);
         const void* values = res_row ? static_cast<const void*>(sum_row) : static_cast<const void*>(x_row);
         for (int64_t i = 0; i < hidden; i++)
-            store<KIND>(out_row, i, load<KIND>(values, i) * inverse * load<KIND>(weight, i));
+            qrun_store_value<KIND>(out_row, i, qrun_load_value<KIND>(values, i) * inverse * qrun_load_value<KIND>(weight, i));
     }
 }
 

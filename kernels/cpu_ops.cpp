@@ -376,6 +376,37 @@ at::Tensor rotate_shape(const at::Tensor& x, const at::Tensor&, const std::optio
     return at::empty_like(x);
 }
 
+// q [tokens, heads, dim] and k [tokens, kv_heads, dim] (float32 or bfloat16, each token's heads contiguous, tokens
+// any stride apart) rotated into new contiguous tensors (kernels/cpu_rotary.py).
+std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                                const at::Tensor& cos_sin) {
+    const at::Tensor pos = positions.to(at::kLong).contiguous(), table = cos_sin.contiguous();
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && pos.dim() == 1,
+                "apply_rotary: cos_sin must be float32 [positions, head_dim] and positions one-dimensional");
+    at::Tensor rotated[2];
+    const at::Tensor* heads[2] = {&q, &k};
+    for (int i = 0; i < 2; i++) {
+        const at::Tensor& x = *heads[i];
+        TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 3 &&
+                        x.size(0) == pos.size(0) && x.size(2) == table.size(1) && x.stride(2) == 1 &&
+                        x.stride(1) == x.size(2),
+                    "apply_rotary: q and k must be float32 or bfloat16 [", pos.size(0), ", heads, ", table.size(1),
+                    "] with each token's heads contiguous, got ", x.scalar_type(), " ", x.sizes(), " strides ",
+                    x.strides());
+        rotated[i] = at::empty(x.sizes(), x.options());
+        const int status = qrun_apply_rotary(x.scalar_type() == at::kFloat ? 0 : 1, x.data_ptr(), x.stride(0),
+                                             rotated[i].data_ptr(), pos.data_ptr<int64_t>(), table.data_ptr<float>(),
+                                             x.size(0), x.size(1), x.size(2), at::get_num_threads());
+        TORCH_CHECK(status == 0, "apply_rotary: no kernel for an odd head_dim ", x.size(2));
+    }
+    return {rotated[0], rotated[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor&,
+                                                      const at::Tensor&) {
+    return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
+}
+
 at::Tensor reflect_shape(const at::Tensor& x, const at::Tensor&) { return at::empty_like(x); }
 
 }  // namespace
@@ -395,6 +426,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("rotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
     m.def("unrotate(Tensor x, Tensor signs, Tensor? odd_factor) -> Tensor");
     m.def("reflect(Tensor x, Tensor u) -> Tensor");
+    m.def("apply_rotary(Tensor q, Tensor k, Tensor positions, Tensor cos_sin) -> (Tensor, Tensor)");
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -411,6 +443,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("rotate", &rotate);
     m.impl("unrotate", &unrotate);
     m.impl("reflect", &reflect);
+    m.impl("apply_rotary", &apply_rotary);
     m.impl("gather_columns", &gather_columns);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
@@ -425,6 +458,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("rotate", &rotate_shape);
     m.impl("unrotate", &rotate_shape);
     m.impl("reflect", &reflect_shape);
+    m.impl("apply_rotary", &apply_rotary_shape);
     m.impl("gather_columns", &gather_columns_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);

@@ -23,24 +23,6 @@ namespace {
 
 enum Kind { F32 = 0, BF16 = 1 };
 
-// The kind is a template argument, so the loops over a row vectorise without a branch per value.
-template <int kind>
-inline float load(const void* x, int64_t i) {
-    if constexpr (kind == F32) return static_cast<const float*>(x)[i];
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(x)[i]) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof(value));
-    return value;
-}
-
-template <int kind>
-inline void store(void* out, int64_t i, float value) {
-    if constexpr (kind == F32)
-        static_cast<float*>(out)[i] = value;
-    else
-        static_cast<uint16_t*>(out)[i] = qrun_bfloat16_bits(value);
-}
-
 // x <- x H for the n x n Sylvester-Hadamard matrix H, n a power of two.
 void walsh_hadamard(float* x, int64_t n) {
     for (int64_t h = 1; h < n; h *= 2)
@@ -111,7 +93,7 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const char* in = static_cast<const char*>(x) + r * ldx * width;
-            for (int64_t i = 0; i < k; i++) a[i] = load<kind>(in, i) * (inverse ? 1.f : signs[i]) * norm;
+            for (int64_t i = 0; i < k; i++) a[i] = qrun_load_value<kind>(in, i) * (inverse ? 1.f : signs[i]) * norm;
             for (int64_t p = 0; p < odd; p++) {
                 if (n % 16 == 0)
                     walsh_hadamard_vectors(a.data() + p * n, n);
@@ -124,7 +106,7 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
                 rotated = b.data();
             }
             char* dst = static_cast<char*>(out) + r * ldout * width;
-            for (int64_t i = 0; i < k; i++) store<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
+            for (int64_t i = 0; i < k; i++) qrun_store_value<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
         }
     }
 }
@@ -140,8 +122,8 @@ void reflect_rows(const void* x, void* out, const float* u, int64_t rows, int64_
         const float* normal = u + item % heads / group * dim;
         const int64_t at = item * dim;
         float dot = 0.f;
-        for (int64_t d = 0; d < dim; d++) dot += load<kind>(x, at + d) * normal[d];
-        for (int64_t d = 0; d < dim; d++) store<kind>(out, at + d, load<kind>(x, at + d) - 2.f * dot * normal[d]);
+        for (int64_t d = 0; d < dim; d++) dot += qrun_load_value<kind>(x, at + d) * normal[d];
+        for (int64_t d = 0; d < dim; d++) qrun_store_value<kind>(out, at + d, qrun_load_value<kind>(x, at + d) - 2.f * dot * normal[d]);
     }
 }
 
