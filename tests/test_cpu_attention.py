@@ -102,7 +102,7 @@ def test_the_cpu_table_runs_the_kernel_by_default_and_the_references_on_request(
     ops = kernels.ops_for(cpu)
     assert ops.paged_attention is cpu_attention.paged_attention_cpu
     assert ops.rms_norm is cpu_norm.rms_norm_cpu
-    assert ops.apply_rotary is kernels.IMPLEMENTATIONS["apply_rotary"]["torch"]  # no C++ kernel: the reference
+    assert ops.dequant_matmul is kernels.IMPLEMENTATIONS["dequant_matmul"]["torch"]  # no C++ kernel: the reference
     monkeypatch.setenv("QRUN_KERNELS", "torch")
     assert kernels.ops_for(cpu).paged_attention is paged_attention_ref
 
