@@ -42,7 +42,8 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
         const float inverse = 1.f / std::sqrt(squares / float(hidden) + eps);
         const void* values = res_row ? static_cast<const void*>(sum_row) : static_cast<const void*>(x_row);
         for (int64_t i = 0; i < hidden; i++)
-            qrun_store_value<KIND>(out_row, i, qrun_load_value<KIND>(values, i) * inverse * qrun_load_value<KIND>(weight, i));
+            qrun_store_value<KIND>(out_row, i,
+                                   qrun_load_value<KIND>(values, i) * inverse * qrun_load_value<KIND>(weight, i));
     }
 }
 

@@ -106,7 +106,8 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
                 rotated = b.data();
             }
             char* dst = static_cast<char*>(out) + r * ldout * width;
-            for (int64_t i = 0; i < k; i++) qrun_store_value<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
+            for (int64_t i = 0; i < k; i++)
+                qrun_store_value<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
         }
     }
 }
@@ -123,7 +124,8 @@ void reflect_rows(const void* x, void* out, const float* u, int64_t rows, int64_
         const int64_t at = item * dim;
         float dot = 0.f;
         for (int64_t d = 0; d < dim; d++) dot += qrun_load_value<kind>(x, at + d) * normal[d];
-        for (int64_t d = 0; d < dim; d++) qrun_store_value<kind>(out, at + d, qrun_load_value<kind>(x, at + d) - 2.f * dot * normal[d]);
+        for (int64_t d = 0; d < dim; d++)
+            qrun_store_value<kind>(out, at + d, qrun_load_value<kind>(x, at + d) - 2.f * dot * normal[d]);
     }
 }
 

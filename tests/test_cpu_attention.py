@@ -114,3 +114,26 @@ def test_without_a_compiler_the_table_keeps_the_references(monkeypatch):
     monkeypatch.setenv("QRUN_KERNELS", "cpu")
     with pytest.raises(RuntimeError, match="did not build"):
         kernels.ops_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_bfloat16_models_prefill_chunks_attend_in_bfloat16_only_with_amx(monkeypatch, amx):
+    """torch's flash attention runs bfloat16 on AMX's tile unit; elsewhere the reference's float32."""
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    args = paged_step("bfloat16", [5, 1], [9, 20], kv_heads=2, group=2, dim=64, block_size=16)
+    got = cpu_attention.paged_attention_cpu(*args)
+    expected = torch.bfloat16 if amx else torch.float32
+    assert seen == [(expected, expected)]  # the prefill chunk; the decode row runs the C++ kernel
+    torch.testing.assert_close(got, paged_attention_ref(*args), rtol=8e-3, atol=8e-3)
+    float32_args = paged_step("float32", [5], [9], kv_heads=2, group=2, dim=64, block_size=16)
+    seen.clear()
+    cpu_attention.paged_attention_cpu(*float32_args)
+    assert seen == [(torch.float32, torch.float32)]
