@@ -186,7 +186,8 @@ class DecodeLayer : public torch::CustomClassHolder {
                     "head_dim], query_balance [heads, head_dim], all three or none");
         TORCH_CHECK(!key_reflection || (shaped(key_reflection, num_kv_heads_) &&
                                         key_reflection->scalar_type() == at::kFloat),
-                    "DecodeLayer.set_cache_transforms: key_reflection must be contiguous float32 [kv heads, head_dim]");
+                    "DecodeLayer.set_cache_transforms: key_reflection must be contiguous float32 [kv heads, "
+                    "head_dim]");
         rotation_signs_ = std::move(signs);
         rotation_odd_factor_ = std::move(odd_factor);
         key_mean_ = std::move(key_mean);

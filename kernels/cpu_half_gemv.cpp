@@ -19,8 +19,6 @@
 
 namespace {
 
-enum Kind { F32 = 0, BF16 = 1 };
-
 inline float half_to_float(uint16_t bits) {
     _Float16 value;
     std::memcpy(&value, &bits, sizeof(value));
@@ -28,7 +26,7 @@ inline float half_to_float(uint16_t bits) {
 }
 
 inline void store(void* y, int kind, int64_t i, float value) {
-    if (kind == F32) {
+    if (kind == QRUN_F32) {
         static_cast<float*>(y)[i] = value;
         return;
     }
@@ -105,11 +103,11 @@ void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y,
 // [n] or null; y: [rows, n] in x's kind, rows ldy apart. Returns 0, or 1 for more than MAX_ROWS rows.
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
                               int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || (kind != F32 && kind != BF16)) return 1;
+    if (rows < 1 || rows > MAX_ROWS || (kind != QRUN_F32 && kind != QRUN_BF16)) return 1;
     std::vector<float> inputs(rows * k);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < k; i++) {
-            if (kind == F32) {
+            if (kind == QRUN_F32) {
                 inputs[r * k + i] = static_cast<const float*>(x)[r * ldx + i];
             } else {
                 const uint32_t bits = uint32_t(static_cast<const uint16_t*>(x)[r * ldx + i]) << 16;

@@ -18,11 +18,14 @@ inline uint16_t qrun_bfloat16_bits(float value) {
     return (bits & 0x7FFFFFFF) > 0x7F800000 ? uint16_t(0x7FC0) : rounded;
 }
 
-// Element i of a row of float32 (kind 0) or bfloat16 (kind 1) values as a float, and a float stored as one (rounded to
-// nearest even). The kind is a template argument, so loops over a row vectorise without a branch per value.
+// The element kinds of the float kernels' rows (their `kind` arguments, as cpu_ops.cpp passes them).
+enum qrun_kind : int { QRUN_F32 = 0, QRUN_BF16 = 1 };
+
+// Element i of a row of float32 (QRUN_F32) or bfloat16 (QRUN_BF16) values as a float, and a float stored as one
+// (rounded to nearest even). The kind is a template argument, so loops over a row vectorise without a branch per value.
 template <int kind>
 inline float qrun_load_value(const void* row, int64_t i) {
-    if constexpr (kind == 0) return static_cast<const float*>(row)[i];
+    if constexpr (kind == QRUN_F32) return static_cast<const float*>(row)[i];
     const uint32_t bits = uint32_t(static_cast<const uint16_t*>(row)[i]) << 16;
     float value;
     std::memcpy(&value, &bits, sizeof(value));
@@ -31,7 +34,7 @@ inline float qrun_load_value(const void* row, int64_t i) {
 
 template <int kind>
 inline void qrun_store_value(void* row, int64_t i, float value) {
-    if constexpr (kind == 0)
+    if constexpr (kind == QRUN_F32)
         static_cast<float*>(row)[i] = value;
     else
         static_cast<uint16_t*>(row)[i] = qrun_bfloat16_bits(value);

@@ -10,11 +10,9 @@
 
 namespace {
 
-enum Kind { F32 = 0, BF16 = 1 };
-
 template <int KIND>
 inline float rounded(float value) {  // value as the dtype holds it
-    if constexpr (KIND == F32) return value;
+    if constexpr (KIND == QRUN_F32) return value;
     const uint32_t bits = uint32_t(qrun_bfloat16_bits(value)) << 16;
     std::memcpy(&value, &bits, sizeof(value));
     return value;
@@ -23,7 +21,7 @@ inline float rounded(float value) {  // value as the dtype holds it
 template <int KIND>
 void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out, void* sum, int64_t rows,
                    int64_t hidden, float eps, int threads) {
-    const int64_t width = KIND == F32 ? 4 : 2;  // bytes per element
+    const int64_t width = KIND == QRUN_F32 ? 4 : 2;  // bytes per element
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * hidden >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
         const char* x_row = static_cast<const char*>(x) + r * hidden * width;
@@ -53,10 +51,10 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
 // with a residual, sum = x + residual as well. 0: done; 1: an unknown kind.
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
                              int64_t rows, int64_t hidden, float eps, int threads) {
-    if (kind == F32)
-        rms_norm_rows<F32>(x, residual, weight, out, sum, rows, hidden, eps, threads);
-    else if (kind == BF16)
-        rms_norm_rows<BF16>(x, residual, weight, out, sum, rows, hidden, eps, threads);
+    if (kind == QRUN_F32)
+        rms_norm_rows<QRUN_F32>(x, residual, weight, out, sum, rows, hidden, eps, threads);
+    else if (kind == QRUN_BF16)
+        rms_norm_rows<QRUN_BF16>(x, residual, weight, out, sum, rows, hidden, eps, threads);
     else
         return 1;
     return 0;

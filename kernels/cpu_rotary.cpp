@@ -11,7 +11,7 @@ namespace {
 template <int kind>
 void rotary_rows(const void* x, int64_t ld, void* out, const int64_t* positions, const float* cos_sin,
                  int64_t tokens, int64_t heads, int64_t dim, int threads) {
-    const int64_t width = kind == 0 ? 4 : 2, half = dim / 2;
+    const int64_t width = kind == QRUN_F32 ? 4 : 2, half = dim / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim >= (1 << 15))
     for (int64_t t = 0; t < tokens; t++) {
         const float* cos = cos_sin + positions[t] * dim;
@@ -38,10 +38,10 @@ void rotary_rows(const void* x, int64_t ld, void* out, const int64_t* positions,
 extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out, const int64_t* positions,
                                  const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads) {
     if (dim % 2) return 1;
-    if (kind == 0)
-        rotary_rows<0>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
-    else if (kind == 1)
-        rotary_rows<1>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
+    if (kind == QRUN_F32)
+        rotary_rows<QRUN_F32>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
+    else if (kind == QRUN_BF16)
+        rotary_rows<QRUN_BF16>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
     else
         return 1;
     return 0;

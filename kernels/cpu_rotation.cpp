@@ -21,8 +21,6 @@
 
 namespace {
 
-enum Kind { F32 = 0, BF16 = 1 };
-
 // x <- x H for the n x n Sylvester-Hadamard matrix H, n a power of two.
 void walsh_hadamard(float* x, int64_t n) {
     for (int64_t h = 1; h < n; h *= 2)
@@ -85,7 +83,7 @@ void mix_odd(const float* a, const float* factor, int64_t odd, int64_t n, float*
 template <int kind, bool inverse>
 void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const float* signs, const float* odd_factor,
                  int64_t odd, int64_t n, int64_t rows, int threads) {
-    const int64_t k = n * odd, width = kind == F32 ? 4 : 2;
+    const int64_t k = n * odd, width = kind == QRUN_F32 ? 4 : 2;
     const float norm = 1.f / std::sqrt(float(n));  // H / sqrt(n) is orthogonal
 #pragma omp parallel num_threads(rows > 1 ? std::min<int64_t>(threads, rows) : 1)
     {
@@ -135,8 +133,9 @@ void reflect_rows(const void* x, void* out, const float* u, int64_t rows, int64_
 // dim], heads a multiple of kv_heads. Returns 0, or 1 for an unknown kind or heads not a multiple of kv_heads.
 extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, int64_t rows, int64_t heads,
                             int64_t kv_heads, int64_t dim, int threads) {
-    if (kv_heads <= 0 || heads % kv_heads != 0 || (kind != F32 && kind != BF16)) return 1;
-    (kind == F32 ? reflect_rows<F32> : reflect_rows<BF16>)(x, out, u, rows, heads, kv_heads, dim, threads);
+    if (kv_heads <= 0 || heads % kv_heads != 0 || (kind != QRUN_F32 && kind != QRUN_BF16)) return 1;
+    (kind == QRUN_F32 ? reflect_rows<QRUN_F32> : reflect_rows<QRUN_BF16>)(x, out, u, rows, heads, kv_heads, dim,
+                                                                          threads);
     return 0;
 }
 
@@ -147,12 +146,12 @@ extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout,
                            const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int inverse, int threads) {
     const int64_t n = odd > 0 ? k / odd : 0;
     if (n <= 0 || n * odd != k || (n & (n - 1)) != 0 || (odd > 1 && odd_factor == nullptr) ||
-        (kind != F32 && kind != BF16))
+        (kind != QRUN_F32 && kind != QRUN_BF16))
         return 1;
     const auto run = [&](auto rotate) { rotate(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads); };
-    if (kind == F32)
-        inverse ? run(rotate_rows<F32, true>) : run(rotate_rows<F32, false>);
+    if (kind == QRUN_F32)
+        inverse ? run(rotate_rows<QRUN_F32, true>) : run(rotate_rows<QRUN_F32, false>);
     else
-        inverse ? run(rotate_rows<BF16, true>) : run(rotate_rows<BF16, false>);
+        inverse ? run(rotate_rows<QRUN_BF16, true>) : run(rotate_rows<QRUN_BF16, false>);
     return 0;
 }
