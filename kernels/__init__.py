@@ -4,7 +4,8 @@ references.
 `QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
 the CPU the C++ kernels where an op has one (paged attention's decode rows:
 `kernels/cpu_attention.py`; the rotation and its inverse: `kernels/cpu_rotation.py`; RMSNorm:
-`kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the quantized cache store:
+`kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the MLP's SiLU-gated activation:
+`kernels/cpu_activation.py`; the quantized cache store:
 `kernels/cpu_kv_store.py`; built at first use by `kernels/cpu_library.py`) and the torch
 references for the rest, or the references alone where no C++ compiler builds them. Every
 implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
@@ -18,7 +19,8 @@ from types import SimpleNamespace
 
 import torch
 
-from qrun.kernels import cpu_attention, cpu_kv_store, cpu_library, cpu_norm, cpu_rotary, cpu_rotation
+from qrun.kernels import cpu_activation, cpu_attention, cpu_kv_store, cpu_library, cpu_norm, cpu_rotary, cpu_rotation
+from qrun.kernels.activation import silu_and_mul_ref
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -35,6 +37,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "rms_norm": {"torch": rms_norm_ref, "triton": rms_norm_triton, "cpu": cpu_norm.rms_norm_cpu},
     "apply_rotary": {"torch": apply_rotary_ref, "triton": apply_rotary_triton, "cpu": cpu_rotary.apply_rotary_cpu},
     "dequant_matmul": {"torch": dequant_matmul_ref, "triton": dequant_matmul_triton},
+    # GPUs keep torch's two ops (Inductor fuses them in a compiled graph)
+    "silu_and_mul": {"torch": silu_and_mul_ref, "triton": silu_and_mul_ref, "cpu": cpu_activation.silu_and_mul_cpu},
     # GPUs rotate through torch's matmuls (cuBLAS): a kernel of its own did not pay there
     "rotate": {"torch": rotate, "triton": rotate, "cpu": cpu_rotation.rotate_cpu},
     "unrotate": {"torch": unrotate, "triton": unrotate, "cpu": cpu_rotation.unrotate_cpu},

@@ -181,25 +181,6 @@ inline void prefetch_rows(const void* data, int64_t index, int64_t count, const 
     }
 }
 
-// e^x for x <= 0 (scores minus their maximum), in plain arithmetic the compiler vectorises: 2^n by exponent bits, e^r
-// on |r| <= ln2 / 2 by a degree-6 polynomial (~2 ulp); below -87 (e^x < 1.7e-38) it is 0.
-inline float exp_nonpositive(float x) {
-    x = std::max(x, -87.f);
-    const float n = std::nearbyint(x * 1.44269504f);
-    const float r = std::fma(n, -0.693145752f, std::fma(n, -1.42860677e-6f, x));
-    float p = 1.f / 720;
-    p = std::fma(p, r, 1.f / 120);
-    p = std::fma(p, r, 1.f / 24);
-    p = std::fma(p, r, 1.f / 6);
-    p = std::fma(p, r, 0.5f);
-    p = std::fma(p, r, 1.f);
-    p = std::fma(p, r, 1.f);
-    uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return x <= -87.f ? 0.f : p * scale;
-}
-
 // out[t] = sum of parts[t][0..LANES) for LANES rows of LANES partial sums (one dot product's lanes per row).
 inline void sum_lanes(const float* parts, float* out) {
 #if defined(__AVX512F__)
@@ -338,7 +319,7 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
         }
         float top = -FLT_MAX;
         for (int64_t i = 0; i < LANES; i++) top = std::max(top, tops[i]);
-        for (int64_t t = 0; t < length; t++) s[t] = exp_nonpositive(s[t] - top);
+        for (int64_t t = 0; t < length; t++) s[t] = qrun_exp_nonpositive(s[t] - top);
         float sum = 0.f;
         for (int64_t t = 0; t < length; t++) sum += s[t];
         partial.top[head] = top;

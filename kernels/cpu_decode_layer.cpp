@@ -1,9 +1,8 @@
 // One decoder layer's decode step (every sequence computes one token) in one call: torch.classes.qrun.DecodeLayer.
 // Built at load from a qrun.model.DecoderLayer by qrun/cpu_decode.py, which documents why and what it covers.
 // The step is the eager layer's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
-// rotary and the cache write are a loop here; SiLU and dense matmuls are torch's ops called from C++ (a hand-written
-// exp would round differently); the norms, the 4-bit matmul, the rotation and the attention are the library's
-// kernels, as in the eager layer.
+// rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
+// matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -12,7 +11,6 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
@@ -218,9 +216,11 @@ class DecodeLayer : public torch::CustomClassHolder {
         std::tie(normed, residual) = add_rms_norm(projected, residual, post_attention_norm_);
 
         const at::Tensor gate_up = linears_[2](normed, half_gemv).contiguous();
-        // torch's SiLU (its vectorised exp), as eager: a different exp moves float32 outputs by an ulp
-        const int64_t inner = gate_up.size(1) / 2;
-        const at::Tensor gated = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
+        const int64_t inner = gate_up.size(1) / 2;  // kernels/cpu_activation.cpp
+        const at::Tensor gated = at::empty({rows, inner}, gate_up.options());
+        qrun_silu_and_mul(std::is_same_v<T, float> ? QRUN_F32 : QRUN_BF16, gate_up.data_ptr(),
+                          static_cast<const T*>(gate_up.data_ptr()) + inner, gate_up.size(1), gated.data_ptr(), rows,
+                          inner, at::get_num_threads());
         return {linears_[3](gated, half_gemv), residual};
     }
 

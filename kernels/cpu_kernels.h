@@ -1,10 +1,11 @@
-// The plain C++ kernels' entry points (cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp,
-// cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them
-// torch ops (the decode layer calls those); their Python modules document the arguments. And what the kernels share:
-// the bfloat16 rounding, 16-float vectors.
+// The plain C++ kernels' entry points (cpu_activation.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
+// cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp,
+// which makes them torch ops (the decode layer calls those); their Python modules document the arguments. And what
+// the kernels share: the bfloat16 rounding, e^x, 16-float vectors.
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,12 +41,40 @@ inline void qrun_store_value(void* row, int64_t i, float value) {
         static_cast<uint16_t*>(row)[i] = qrun_bfloat16_bits(value);
 }
 
+// A float as a row of the kind holds it (rounded to nearest even for bfloat16).
+template <int kind>
+inline float qrun_round_value(float value) {
+    if constexpr (kind == QRUN_F32) return value;
+    const uint32_t bits = uint32_t(qrun_bfloat16_bits(value)) << 16;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
 // Rotary position embedding (Hugging Face's half-split layout) of a head's elements d and d + dim / 2, a and b, as
 // torch's addcmul in kernels/rotary.py's reference computes x * cos + rotate_half(x) * sin: the product with cos
 // rounded, the one with sin fused into the add.
 inline void qrun_rotary_pair(float a, float b, float cos, float sin, float& first, float& second) {
     first = std::fma(b, -sin, a * cos);
     second = std::fma(a, sin, b * cos);
+}
+
+// e^x for x <= 0 (attention scores minus their maximum; SiLU's e^-|x|), in plain arithmetic the compiler vectorises:
+// 2^n by exponent bits, e^r on |r| <= ln2 / 2 by a degree-6 polynomial (~2 ulp); below -87 (e^x < 1.7e-38) it is 0.
+inline float qrun_exp_nonpositive(float x) {
+    x = std::max(x, -87.f);
+    const float n = std::nearbyint(x * 1.44269504f);
+    const float r = std::fma(n, -0.693145752f, std::fma(n, -1.42860677e-6f, x));
+    float p = 1.f / 720;
+    p = std::fma(p, r, 1.f / 120);
+    p = std::fma(p, r, 1.f / 24);
+    p = std::fma(p, r, 1.f / 6);
+    p = std::fma(p, r, 0.5f);
+    p = std::fma(p, r, 1.f);
+    p = std::fma(p, r, 1.f);
+    uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return x <= -87.f ? 0.f : p * scale;
 }
 
 // 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
@@ -73,13 +102,15 @@ extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout,
 extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, int64_t rows, int64_t heads,
                             int64_t kv_heads, int64_t dim, int threads);
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
-                                 const uint16_t* scales,
-                                 const uint16_t* zeros, const int8_t* centers, float* y, int64_t ldy, int64_t rows,
-                                 int64_t n, int64_t k, int64_t group, int input_digits, int accumulate, int threads);
+                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, void* y,
+                                 int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
+                                 int input_digits, int accumulate, int threads);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
                               int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads);
 extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out, const int64_t* positions,
                                  const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads);
+extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,
+                                 int64_t width, int threads);
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
                              int64_t rows, int64_t hidden, float eps, int threads);
 extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,

@@ -11,14 +11,6 @@
 namespace {
 
 template <int KIND>
-inline float rounded(float value) {  // value as the dtype holds it
-    if constexpr (KIND == QRUN_F32) return value;
-    const uint32_t bits = uint32_t(qrun_bfloat16_bits(value)) << 16;
-    std::memcpy(&value, &bits, sizeof(value));
-    return value;
-}
-
-template <int KIND>
 void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out, void* sum, int64_t rows,
                    int64_t hidden, float eps, int threads) {
     const int64_t width = KIND == QRUN_F32 ? 4 : 2;  // bytes per element
@@ -32,7 +24,7 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
         for (int64_t i = 0; i < hidden; i++) {
             float value = qrun_load_value<KIND>(x_row, i);
             if (res_row) {
-                value = rounded<KIND>(value + qrun_load_value<KIND>(res_row, i));
+                value = qrun_round_value<KIND>(value + qrun_load_value<KIND>(res_row, i));
                 qrun_store_value<KIND>(sum_row, i, value);
             }
             squares += value * value;

@@ -101,7 +101,7 @@ const T* data_or_null(const std::optional<at::Tensor>& tensor) {
     return tensor ? static_cast<const T*>(tensor->data_ptr()) : nullptr;
 }
 
-// One plane's product: y (float32) = x[:, :k] W^T, or y += it.
+// One plane's product: y (float32, or bfloat16 rounded once) = x[:, :k] W^T, or y += it (float32 y).
 void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k,
                         int64_t input_digits, at::Tensor& y, bool accumulate) {
@@ -110,8 +110,8 @@ void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::
     const int status = qrun_quant_matmul(
         x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
         static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
-        static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr<float>(), y.stride(0), x.size(0), y.size(1), k,
-        group, input_digits, accumulate, at::get_num_threads());
+        static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr(), y.scalar_type() == at::kBFloat16, y.stride(0),
+        x.size(0), y.size(1), k, group, input_digits, accumulate, at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", k, "] by a [", y.size(1), ", ",
                 k, "] weight in groups of ", group, " (status ", status, ")");
 }
@@ -180,8 +180,11 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                                               high_codes, high_scales, high_zeros, high_centers, k_high,
                                               tile_dequantize_rows > 0 && x.size(0) >= tile_dequantize_rows));
     const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
-    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat));
+    // one plane's bfloat16 product rounds as it is stored; a second plane adds to float32 sums first
+    const bool direct = bfloat16 && !high_codes.has_value();
+    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(direct ? at::kBFloat16 : at::kFloat));
     quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
+    if (direct) return y;
     if (high_codes.has_value())
         quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
                            true);
@@ -409,6 +412,27 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_shape(const at::Tensor& q, const
 
 at::Tensor reflect_shape(const at::Tensor& x, const at::Tensor&) { return at::empty_like(x); }
 
+// silu(gate) * up for [rows, width] views with contiguous rows the same distance apart (kernels/cpu_activation.py).
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+    const bool floats = gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16;
+    const bool shaped = gate.dim() == 2 && up.sizes() == gate.sizes();
+    const bool rows_alike = shaped && (gate.size(1) == 1 || (gate.stride(1) == 1 && up.stride(1) == 1)) &&
+                            (gate.size(0) <= 1 || gate.stride(0) == up.stride(0));
+    TORCH_CHECK(floats && up.scalar_type() == gate.scalar_type() && rows_alike,
+                "silu_and_mul: gate and up must be float32 or bfloat16 [rows, width] of one dtype with contiguous "
+                "rows equally apart, got ", gate.scalar_type(), " ", gate.sizes(), " strides ", gate.strides(), " and ",
+                up.scalar_type(), " ", up.sizes(), " strides ", up.strides());
+    at::Tensor out = at::empty(gate.sizes(), gate.options());
+    qrun_silu_and_mul(gate.scalar_type() == at::kFloat ? QRUN_F32 : QRUN_BF16, gate.data_ptr(), up.data_ptr(),
+                      gate.size(0) > 1 ? gate.stride(0) : gate.size(1), out.data_ptr(), gate.size(0), gate.size(1),
+                      at::get_num_threads());
+    return out;
+}
+
+at::Tensor silu_and_mul_shape(const at::Tensor& gate, const at::Tensor&) {
+    return at::empty_symint(gate.sym_sizes(), gate.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
@@ -428,6 +452,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("reflect(Tensor x, Tensor u) -> Tensor");
     m.def("apply_rotary(Tensor q, Tensor k, Tensor positions, Tensor cos_sin) -> (Tensor, Tensor)");
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
+    m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -445,6 +470,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("reflect", &reflect);
     m.impl("apply_rotary", &apply_rotary);
     m.impl("gather_columns", &gather_columns);
+    m.impl("silu_and_mul", &silu_and_mul);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
     m.impl("add_rms_norm", &add_rms_norm);
@@ -460,6 +486,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("reflect", &reflect_shape);
     m.impl("apply_rotary", &apply_rotary_shape);
     m.impl("gather_columns", &gather_columns_shape);
+    m.impl("silu_and_mul", &silu_and_mul_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);
     m.impl("add_rms_norm", &add_rms_norm_shape);

@@ -97,11 +97,36 @@ struct Weights {
     int64_t n, k, group;
 };
 
-// Where a call writes: y [rows, n] with row stride ldy, added to y's values when accumulating.
+// 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (NaN too: 0x7FC0).
+inline __m256i to_bfloat16(__m512 values) {
+#if defined(__AVX512BF16__)
+    const __m256i rounded = __m256i(_mm512_cvtneps_pbh(values));
+#else
+    const __m512i bits = _mm512_castps_si512(values);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    const __m256i rounded = _mm512_cvtepi32_epi16(_mm512_srli_epi32(sum, 16));
+#endif
+    return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q), rounded,
+                                   _mm256_set1_epi16(0x7FC0));
+}
+
+// Where a call writes: y [rows, n] with row stride ldy (float32, or bfloat16 rounded once from the float32 sums),
+// added to y's values when accumulating (float32 only).
 struct Output {
-    float* y;
+    void* y;
     int64_t ldy;
-    bool accumulate;
+    bool accumulate, bfloat16;
+
+    float* floats() const { return static_cast<float*>(y); }
+
+    void store(int64_t row, int64_t tile, __m512 values) const {
+        const int64_t at = row * ldy + tile * TILE_N;
+        if (bfloat16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at), to_bfloat16(values));
+        else
+            _mm512_storeu_ps(floats() + at, values);
+    }
 };
 
 // Rows m0 .. m0 + R of y's channel tiles tiles[0 .. T), every input: the weights of a block are unpacked once for
@@ -109,14 +134,14 @@ struct Output {
 template <int R, int T, bool two_digits>
 void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
     const auto [codes, scales, zeros, centers, n, k, group] = weights;
-    const auto [y, ldy, accumulate] = out;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
     __m512 total[T][R], group_total[T][R];
     const uint8_t* tile_codes[T];
     for (int t = 0; t < T; t++) {
         tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
         for (int r = 0; r < R; r++) {
-            total[t][r] = accumulate ? _mm512_loadu_ps(y + (m0 + r) * ldy + tiles[t] * TILE_N) : _mm512_setzero_ps();
+            total[t][r] = out.accumulate ? _mm512_loadu_ps(out.floats() + (m0 + r) * out.ldy + tiles[t] * TILE_N)
+                                         : _mm512_setzero_ps();
             group_total[t][r] = _mm512_setzero_ps();
         }
     }
@@ -168,7 +193,7 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
         }
     }
     for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + tiles[t] * TILE_N, total[t][r]);
+        for (int r = 0; r < R; r++) out.store(m0 + r, tiles[t], total[t][r]);
 }
 
 // The last rows (fewer than ROW_TILE) of a tile: tile_rows<left>.
@@ -221,18 +246,6 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
 
 #ifdef QRUN_HAS_VNNI
 namespace {
-
-// 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (finite values).
-inline __m256i to_bfloat16(__m512 values) {
-#if defined(__AVX512BF16__)
-    return __m256i(_mm512_cvtneps_pbh(values));
-#else
-    const __m512i bits = _mm512_castps_si512(values);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-}
 
 struct Plane {
     const uint8_t* codes;
@@ -307,20 +320,23 @@ extern "C" int qrun_quant_matmul_available() {
 #endif
 }
 
-// y [M, N] (float32, row stride ldy) = x[:, :K] (float32, or bfloat16 when x_bfloat16; row stride
-// ldx) W^T, or y += it (accumulate), with x rounded to `input_digits` (1 or 2) int8 digits per
-// element. 0: done; 1: shapes the layout does not cover; 2: no kernel in this build.
+// y [M, N] (float32, or bfloat16 when y_bfloat16; row stride ldy) = x[:, :K] (float32, or bfloat16 when x_bfloat16;
+// row stride ldx) W^T, or y += it (accumulate, float32 y only), with x rounded to `input_digits` (1 or 2) int8 digits
+// per element. 0: done; 1: shapes the layout does not cover (or a bfloat16 y to accumulate into); 2: no kernel in this
+// build.
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
-                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, float* y,
-                                 int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group, int input_digits,
-                                 int accumulate, int threads) {
+                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, void* y,
+                                 int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
+                                 int input_digits, int accumulate, int threads) {
 #ifdef QRUN_HAS_VNNI
-    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2) return 1;
+    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
+        (accumulate && y_bfloat16))
+        return 1;
     const QuantizedRows quantized =
         x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2)
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2);
     const Weights weights{codes, scales, zeros, centers, n, k, group};
-    const Output out{y, ldy, accumulate != 0};
+    const Output out{y, ldy, accumulate != 0, y_bfloat16 != 0};
     if (input_digits == 2)
         quant_matmul<true>(quantized, rows, weights, out, threads);
     else

@@ -191,7 +191,9 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
                  high_scales: torch.Tensor | None, high_zeros: torch.Tensor | None, high_centers: torch.Tensor | None,
                  k_high: int, input_digits: int) -> torch.Tensor:
     """y [M, out_features] (x's dtype) = x W^T (+ x[:, :k_high] W_high^T): the VNNI kernel with x
-    rounded to `input_digits` int8 digits (1 or 2); bfloat16 rows from `tile_rows()` rows on the
+    rounded to `input_digits` int8 digits (1 or 2), its float32 sums rounded to bfloat16 as it stores
+    them where one plane multiplies bfloat16 rows (no float32 output and second pass: ~1 us a call
+    at one row); bfloat16 rows from `tile_rows()` rows on the
     AMX kernel (x as it is; in weights mode from `tile_dequantize_rows()` rows), from
     `dequantize_rows()` on oneDNN on the dequantized weight (the op decides; the C++ decode layer
     passes it the same thresholds)."""

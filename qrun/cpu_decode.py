@@ -4,7 +4,7 @@ At one to a few sequences a decode step is bound by per-op overhead, not by the 
 SmolLM2 layer is ~50 torch ops (~0.7 ms a layer, 22 ms a step at batch 1, against a few ms of
 kernel time), and a `torch.compile`d layer was little faster (24 vs 28 ms a step in one run:
 Dynamo's guards and the graphs' Python wrappers). The C++ layer runs the eager layer's ops in
-its order, with the same kernels (the kernel table's CPU ones, torch's SiLU and dense matmuls
+its order, with the same kernels (the kernel table's CPU ones, torch's dense matmuls
 called from C++), so its results are the torch layers' bit for bit (tested); a 4.0-bpw SmolLM2
 step at batch 1 took 9 ms instead of 22. Like exllamav2's C++ attention and MLP, it is built
 once at load from the layer's modules (`build_layer`) and holds their weights. It covers float

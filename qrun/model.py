@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from qrun.config import ModelConfig
 from qrun.kernels import ops_for, rotary_cos_sin
@@ -115,8 +114,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops):
         super().__init__()
+        self.ops = ops
         bias = config.mlp_bias
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
@@ -134,7 +134,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return F.silu(gate) * up
+        return self.ops.silu_and_mul(gate, up)
 
     def fuse_projections(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
@@ -177,7 +177,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, ops)
 
     def forward(self, x, residual, positions, cos_sin, meta, cache: LayerKV):
         h, residual = self.input_layernorm(x, residual)

@@ -1,0 +1,101 @@
+// SiLU-gated activation for CPUs: activation.py's silu_and_mul_ref, silu(gate) * up, in one pass over the rows, read
+// in place from the fused gate/up projection. Documented by kernels/cpu_activation.py.
+
+#include <cstdint>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// silu(x) = x / (1 + e^-x), from e^-|x| (never overflowing): x / (1 + t) for x >= 0, x t / (1 + t) below.
+inline float silu(float x) {
+    const float t = qrun_exp_nonpositive(-std::fabs(x));
+    return (x >= 0.f ? x : x * t) / (1.f + t);
+}
+
+#if defined(__AVX512F__)
+// silu of 16 floats, as silu() computes each (qrun_exp_nonpositive's steps, vectorised: the same results).
+inline __m512 silu16(__m512 x) {
+    const __m512 y = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)), _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145752f),
+                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-1.42860677e-6f), y));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    const __m512 scale = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+    const __m512 t = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.f), _CMP_GT_OQ), p, scale);
+    const __m512 top = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, t);
+    return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.f), t));
+}
+
+template <int kind>
+inline __m512 load16(const char* row, int64_t i) {
+    if constexpr (kind == QRUN_F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// 16 floats as the kind holds them (rounded to nearest even as qrun_bfloat16_bits; NaN as 0x7FC0)
+template <int kind>
+inline __m512 round16(__m512 x) {
+    if constexpr (kind == QRUN_F32) return x;
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    const __m512i rounded = _mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(rounded),
+                                _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+template <int kind>
+inline void store16(char* row, int64_t i, __m512 x) {
+    if constexpr (kind == QRUN_F32) return _mm512_storeu_ps(reinterpret_cast<float*>(row) + i, x);
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16<kind>(x)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 2 * i), _mm512_cvtepi32_epi16(bits));
+}
+#endif
+
+// As the reference rounds: the SiLU to the rows' dtype, then the product.
+template <int kind>
+void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, int64_t rows, int64_t width,
+                       int threads) {
+    const int64_t bytes = kind == QRUN_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const char* gate_row = static_cast<const char*>(gate) + r * ld * bytes;
+        const char* up_row = static_cast<const char*>(up) + r * ld * bytes;
+        char* out_row = static_cast<char*>(out) + r * width * bytes;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= width; i += 16) {
+            const __m512 activated = round16<kind>(silu16(load16<kind>(gate_row, i)));
+            store16<kind>(out_row, i, _mm512_mul_ps(activated, load16<kind>(up_row, i)));
+        }
+#endif
+        for (; i < width; i++) {
+            const float activated = qrun_round_value<kind>(silu(qrun_load_value<kind>(gate_row, i)));
+            qrun_store_value<kind>(out_row, i, activated * qrun_load_value<kind>(up_row, i));
+        }
+    }
+}
+
+}  // namespace
+
+// out [rows, width] (contiguous) = silu(gate) * up, gate and up [rows, width] float32 (kind 0) or bfloat16 (kind 1)
+// with their rows ld elements apart. 0: done; 1: an unknown kind.
+extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,
+                                 int64_t width, int threads) {
+    if (kind == QRUN_F32)
+        silu_and_mul_rows<QRUN_F32>(gate, up, ld, out, rows, width, threads);
+    else if (kind == QRUN_BF16)
+        silu_and_mul_rows<QRUN_BF16>(gate, up, ld, out, rows, width, threads);
+    else
+        return 1;
+    return 0;
+}
