@@ -5,10 +5,6 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 // silu(x) = x / (1 + e^-x), from e^-|x| (never overflowing): x / (1 + t) for x >= 0, x t / (1 + t) below.
@@ -34,31 +30,6 @@ inline __m512 silu16(__m512 x) {
     return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.f), t));
 }
 
-template <int kind>
-inline __m512 load16(const char* row, int64_t i) {
-    if constexpr (kind == QRUN_F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
-// 16 floats as the kind holds them (rounded to nearest even as qrun_bfloat16_bits; NaN as 0x7FC0)
-template <int kind>
-inline __m512 round16(__m512 x) {
-    if constexpr (kind == QRUN_F32) return x;
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    const __m512i rounded = _mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000)));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(rounded),
-                                _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-}
-
-template <int kind>
-inline void store16(char* row, int64_t i, __m512 x) {
-    if constexpr (kind == QRUN_F32) return _mm512_storeu_ps(reinterpret_cast<float*>(row) + i, x);
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16<kind>(x)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 2 * i), _mm512_cvtepi32_epi16(bits));
-}
 #endif
 
 // As the reference rounds: the SiLU to the rows' dtype, then the product.
@@ -74,8 +45,8 @@ void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, 
         int64_t i = 0;
 #if defined(__AVX512F__)
         for (; i + 16 <= width; i += 16) {
-            const __m512 activated = round16<kind>(silu16(load16<kind>(gate_row, i)));
-            store16<kind>(out_row, i, _mm512_mul_ps(activated, load16<kind>(up_row, i)));
+            const __m512 activated = qrun_round16<kind>(silu16(qrun_load16<kind>(gate_row, i)));
+            qrun_store16<kind>(out_row, i, _mm512_mul_ps(activated, qrun_load16<kind>(up_row, i)));
         }
 #endif
         for (; i < width; i++) {

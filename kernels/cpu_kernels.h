@@ -50,6 +50,38 @@ inline float qrun_round_value(float value) {
     return value;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 values of a float32 (QRUN_F32) or bfloat16 (QRUN_BF16) row from element i as floats, floats as the kind holds
+// them (rounded as qrun_bfloat16_bits, NaN too) and stored as it: qrun_load_value, qrun_round_value and
+// qrun_store_value 16 at a time.
+template <int kind>
+inline __m512 qrun_load16(const void* row, int64_t i) {
+    if constexpr (kind == QRUN_F32) return _mm512_loadu_ps(static_cast<const float*>(row) + i);
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+template <int kind>
+inline __m512 qrun_round16(__m512 x) {
+    if constexpr (kind == QRUN_F32) return x;
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    const __m512i rounded = _mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(rounded),
+                                _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+template <int kind>
+inline void qrun_store16(void* row, int64_t i, __m512 x) {
+    if constexpr (kind == QRUN_F32) return _mm512_storeu_ps(static_cast<float*>(row) + i, x);
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(qrun_round16<kind>(x)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(row) + i), _mm512_cvtepi32_epi16(bits));
+}
+#endif
+
 // Rotary position embedding (Hugging Face's half-split layout) of a head's elements d and d + dim / 2, a and b, as
 // torch's addcmul in kernels/rotary.py's reference computes x * cos + rotate_half(x) * sin: the product with cos
 // rounded, the one with sin fused into the add.

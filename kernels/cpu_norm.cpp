@@ -21,7 +21,20 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
         char* sum_row = sum ? static_cast<char*>(sum) + r * hidden * width : nullptr;
         char* out_row = static_cast<char*>(out) + r * hidden * width;
         float squares = 0.f;
-        for (int64_t i = 0; i < hidden; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vector_squares = _mm512_setzero_ps();
+        for (; i + 16 <= hidden; i += 16) {
+            __m512 value = qrun_load16<KIND>(x_row, i);
+            if (res_row) {
+                value = qrun_round16<KIND>(_mm512_add_ps(value, qrun_load16<KIND>(res_row, i)));
+                qrun_store16<KIND>(sum_row, i, value);
+            }
+            vector_squares = _mm512_fmadd_ps(value, value, vector_squares);
+        }
+        squares = _mm512_reduce_add_ps(vector_squares);
+#endif
+        for (; i < hidden; i++) {
             float value = qrun_load_value<KIND>(x_row, i);
             if (res_row) {
                 value = qrun_round_value<KIND>(value + qrun_load_value<KIND>(res_row, i));
@@ -31,7 +44,14 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
         }
         const float inverse = 1.f / std::sqrt(squares / float(hidden) + eps);
         const void* values = res_row ? static_cast<const void*>(sum_row) : static_cast<const void*>(x_row);
-        for (int64_t i = 0; i < hidden; i++)
+        i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= hidden; i += 16)
+            qrun_store16<KIND>(out_row, i, _mm512_mul_ps(_mm512_mul_ps(qrun_load16<KIND>(values, i),
+                                                                       _mm512_set1_ps(inverse)),
+                                                         qrun_load16<KIND>(weight, i)));
+#endif
+        for (; i < hidden; i++)
             qrun_store_value<KIND>(out_row, i,
                                    qrun_load_value<KIND>(values, i) * inverse * qrun_load_value<KIND>(weight, i));
     }

@@ -47,11 +47,17 @@ inline __m512 load16(const In* at) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
+// x's rows quantized into the calling thread's buffers, reused by its next call (a decode step makes ~120).
 template <typename In>
-QuantizedRows quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group, bool two_digits) {
+const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group,
+                                   bool two_digits) {
     const int64_t blocks = rows * k / BLOCK_K, groups = rows * k / group;
-    QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<int8_t>(two_digits ? rows * k : 0),
-                    std::vector<float>(blocks), std::vector<float>(groups), std::vector<float>(groups, 0.f)};
+    thread_local QuantizedRows q;
+    q.high.resize(rows * k);
+    q.low.resize(two_digits ? rows * k : 0);
+    q.block_scales.resize(blocks);
+    q.group_sums.resize(groups);
+    q.rounded_sums.assign(groups, 0.f);
     for (int64_t m = 0; m < rows; m++) {
         const In* row = x + m * ldx;
         for (int64_t b = 0; b < k / BLOCK_K; b++) {
@@ -97,18 +103,15 @@ struct Weights {
     int64_t n, k, group;
 };
 
-// 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (NaN too: 0x7FC0).
+// 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (NaN too: 0x7FC0); one instruction with
+// AVX512-BF16 (whose conversion flushes denormals, which neither weights nor sums here are).
 inline __m256i to_bfloat16(__m512 values) {
 #if defined(__AVX512BF16__)
-    const __m256i rounded = __m256i(_mm512_cvtneps_pbh(values));
+    return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q),
+                                   __m256i(_mm512_cvtneps_pbh(values)), _mm256_set1_epi16(0x7FC0));
 #else
-    const __m512i bits = _mm512_castps_si512(values);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    const __m256i rounded = _mm512_cvtepi32_epi16(_mm512_srli_epi32(sum, 16));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(qrun_round16<QRUN_BF16>(values)), 16));
 #endif
-    return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q), rounded,
-                                   _mm256_set1_epi16(0x7FC0));
 }
 
 // Where a call writes: y [rows, n] with row stride ldy (float32, or bfloat16 rounded once from the float32 sums),
@@ -332,7 +335,7 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
         (accumulate && y_bfloat16))
         return 1;
-    const QuantizedRows quantized =
+    const QuantizedRows& quantized =
         x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2)
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2);
     const Weights weights{codes, scales, zeros, centers, n, k, group};
