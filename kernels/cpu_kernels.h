@@ -156,5 +156,6 @@ extern "C" int qrun_quant_matmul_tiles_available();
 extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
                                        const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
                                        const uint16_t* high_scales, const uint16_t* high_zeros,
-                                       const int8_t* high_centers, int64_t k_high, float* y, int64_t ldy, int64_t rows,
-                                       int64_t n, int64_t k, int64_t group, int dequantize_weights, int threads);
+                                       const int8_t* high_centers, int64_t k_high, void* y, int y_bfloat16,
+                                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
+                                       int dequantize_weights, int threads);

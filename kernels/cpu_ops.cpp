@@ -138,7 +138,8 @@ at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, 
     return out.t();
 }
 
-// y (float32) = x W^T (+ x[:, :k_high] W_high^T) on AMX tiles, x bfloat16.
+// y = x W^T (+ x[:, :k_high] W_high^T) on AMX tiles, x bfloat16: in weights mode bfloat16 (each sum rounded once as it
+// is stored), in codes mode float32 (its sums grow group by group in y).
 at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                               const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
                               const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
@@ -149,13 +150,14 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
                     (!high_codes ||
                      plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high)),
                 "quant_matmul: packed weights do not match [", out_features, ", ", k, "]");
-    at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+    at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(dequantize_weights ? at::kBFloat16
+                                                                                             : at::kFloat));
     const int status = qrun_quant_matmul_tiles(
         static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
         static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
         static_cast<const int8_t*>(centers.data_ptr()), data_or_null<uint8_t>(high_codes),
         data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros), data_or_null<int8_t>(high_centers),
-        k_high, y.data_ptr<float>(), y.stride(0), x.size(0), out_features, k, group, dequantize_weights,
+        k_high, y.data_ptr(), dequantize_weights, y.stride(0), x.size(0), out_features, k, group, dequantize_weights,
         at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul_tiles cannot multiply [", x.size(0), ", ", k, "] by a [",
                 out_features, ", ", k, "] weight in groups of ", group, " (status ", status, ")");
@@ -175,10 +177,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     if (bfloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
         return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
                                                high_scales, high_zeros, high_centers, k_high));
-    if (bfloat16 && tile_rows > 0 && x.size(0) >= tile_rows)
-        return to_bfloat16(quant_matmul_tiles(x.contiguous(), codes, scales, zeros, centers, group, out_features,
-                                              high_codes, high_scales, high_zeros, high_centers, k_high,
-                                              tile_dequantize_rows > 0 && x.size(0) >= tile_dequantize_rows));
+    if (bfloat16 && tile_rows > 0 && x.size(0) >= tile_rows) {
+        const at::Tensor y = quant_matmul_tiles(x.contiguous(), codes, scales, zeros, centers, group, out_features,
+                                                high_codes, high_scales, high_zeros, high_centers, k_high,
+                                                tile_dequantize_rows > 0 && x.size(0) >= tile_dequantize_rows);
+        return y.scalar_type() == at::kBFloat16 ? y : to_bfloat16(y);
+    }
     const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
     // one plane's bfloat16 product rounds as it is stored; a second plane adds to float32 sums first
     const bool direct = bfloat16 && !high_codes.has_value();

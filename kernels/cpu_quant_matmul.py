@@ -28,7 +28,7 @@ float32 and scaled after, so its only rounding is float32 summation's (`quant_ma
 VNNI kernel's 0.23 (and oneDNN's 0.2 for the dense bfloat16 weight). Its per-group scaling grows
 with the rows, so from `tile_dequantize_rows()` rows on it dequantizes each pair of channel
 tiles' weights to bfloat16 once and sums all inputs on the tiles unscaled ("weights mode"), and
-from `dequantize_rows()` rows on (prefill chunks) the weight is dequantized
+from `dequantize_rows()` rows on (prefill chunks beyond the default budget of 512 tokens) the weight is dequantized
 (`dequantize_planes`, the reference's float weights rounded once to bfloat16) and multiplied by
 oneDNN. `qrun ppl` KL of a 4.0-bpw SmolLM2 to the dense model (brown k and j, 2,048 tokens each,
 windows of 512, a Xeon with AMX, one-off runs with the thresholds patched): 0.1619 with every row
@@ -59,7 +59,7 @@ import torch
 from qrun.kernels import cpu_int4, cpu_library
 
 TILE_N, BLOCK_K = 16, 32
-TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 384  # tile_rows(), dequantize_rows()
+TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 1024  # tile_rows(), dequantize_rows()
 
 
 @functools.cache
@@ -151,12 +151,13 @@ def tile_dequantize_rows(group: int, high_plane: bool) -> int:
 def dequantize_rows() -> int:
     """From how many rows of bfloat16 inputs `quant_matmul` dequantizes the weight to bfloat16 and
     lets oneDNN multiply (0: never). On CPUs with AMX oneDNN's bfloat16 matmul runs on the tile
-    unit; against the AMX kernel in weights mode it wins from ~400 rows (SmolLM2's 120 layer
-    linears, 30 layers' distinct weights, on a 2-core Xeon: 60-63 ms with the dequantization
-    against 44-48 in weights mode at 256 rows, 77-82 against 86-90 at 512, groups of 32 or 96;
-    oneDNN on the dense weights 68); against the VNNI kernel from far fewer (at 512 rows 0.85 +
-    ~0.2 ms against 14 ms for one 3072 x 576 matrix). Without AMX the VNNI kernel was the faster at
-    every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
+    unit; against the AMX kernel in weights mode, which stores its sums as bfloat16 itself, it wins
+    once the rows no longer fit the core's L2 alongside the weights (SmolLM2's 120 layer linears,
+    30 layers' distinct weights, on a 2-core Xeon, ms, weights mode / dequantized + oneDNN: 25 / 25
+    at 128 rows, 53 / 64 at 384, 68 / 75 at 512, 96 / 121 at 768, 180 / 145 at 1024, 328 / 202 at
+    2048; oneDNN on the dense weights ~68 at 512); against the VNNI kernel from far fewer (at 512
+    rows 0.85 + ~0.2 ms against 14 ms for one 3072 x 576 matrix). Without AMX the VNNI kernel was the
+    faster at every row count (1.3x oneDNN at 512 rows on an AVX512-BF16 EPYC)."""
     if not cpu_library.has_amx():
         return 0
     return TILED_DEQUANTIZE_ROWS if tile_rows() else cpu_int4.DEQUANTIZE_ROWS

@@ -86,8 +86,11 @@ struct Problem {
     int64_t ldx, rows, k, group;
     const uint16_t* tail;  // where rows > 32: x's last rows % 32 rows, zero rows after them up to 32, row stride k
     const float* group_sums;  // [rows, k / group]: x's rows summed per group
-    float* y;
+    void* y;  // float32, or bfloat16 where y_bfloat16 (weights mode only)
     int64_t ldy;
+    bool y_bfloat16;
+
+    float* floats() const { return static_cast<float*>(y); }
 };
 
 // Tiles 0-3 += rows m0 .. m0 + 32 of x's inputs in blocks [first, first + blocks) times `blocks` B operands from w0
@@ -145,7 +148,7 @@ void multiply_group(const Problem& p, const Plane& plane, const uint8_t* unpacke
         const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
         const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f + plane.centers[first]), scale, zero);
         for (int r = 0; r < rows; r++) {
-            float* out = p.y + (m0 + r) * p.ldy + (t0 + t) * TILE_N;
+            float* out = p.floats() + (m0 + r) * p.ldy + (t0 + t) * TILE_N;
             const __m512 sum = _mm512_load_ps(sums + r * 2 * TILE_N + t * TILE_N);
             __m512 total = _mm512_fmadd_ps(scale, sum, _mm512_loadu_ps(out));
             total = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.group_sums[(m0 + r) * groups + g]), total);
@@ -240,8 +243,15 @@ void multiply_dequantized(const Problem& p, const Plane& low, const Plane* high,
                                                   m0);
         store_sums<two_tiles, two_row_tiles>(sums);
         const int64_t rows = std::min<int64_t>(2 * TILE_ROWS, p.rows - m0);
-        for (int64_t r = 0; r < rows; r++)
-            std::copy_n(sums + r * 2 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, p.y + (m0 + r) * p.ldy + t0 * TILE_N);
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t at = (m0 + r) * p.ldy + t0 * TILE_N;
+            if (!p.y_bfloat16) {
+                std::copy_n(sums + r * 2 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, p.floats() + at);
+                continue;
+            }
+            for (int t = 0; t < (two_tiles ? 2 : 1); t++)  // rounded once, as the float32 path's conversion rounds
+                qrun_store16<QRUN_BF16>(p.y, at + t * TILE_N, _mm512_load_ps(sums + r * 2 * TILE_N + t * TILE_N));
+        }
     }
 }
 
@@ -257,17 +267,20 @@ extern "C" int qrun_quant_matmul_tiles_available() {
 #endif
 }
 
-// y [rows, n] (float32, row stride ldy) = x W^T (+ x[:, :k_high] W_high^T where high_codes), x bfloat16 [rows, k]
+// y [rows, n] (float32, or bfloat16 where y_bfloat16 in weights mode; row stride ldy) = x W^T (+ x[:, :k_high]
+// W_high^T where high_codes), x bfloat16 [rows, k]
 // (row stride ldx), the planes in cpu_quant_matmul.cpp's layout; in weights mode where dequantize_weights, else
 // in codes mode. 0: done; 1: shapes the layout does not cover; 2: no kernel in this build, or no tiles for this
 // process.
 extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
                                        const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
                                        const uint16_t* high_scales, const uint16_t* high_zeros,
-                                       const int8_t* high_centers, int64_t k_high, float* y, int64_t ldy, int64_t rows,
-                                       int64_t n, int64_t k, int64_t group, int dequantize_weights, int threads) {
+                                       const int8_t* high_centers, int64_t k_high, void* y, int y_bfloat16,
+                                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
+                                       int dequantize_weights, int threads) {
 #ifdef QRUN_HAS_AMX
-    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
+    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)) ||
+        (y_bfloat16 && !dequantize_weights))
         return 1;
     if (!tiles_permitted()) return 2;
     const int64_t groups = k / group;
@@ -285,7 +298,7 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
     const int64_t chunk = 2 * TILE_ROWS, tail_rows = rows > chunk ? rows % chunk : 0;
     std::vector<uint16_t> tail(tail_rows ? chunk * k : 0, 0);
     for (int64_t m = 0; m < tail_rows; m++) std::copy_n(x + (rows - tail_rows + m) * ldx, k, tail.data() + m * k);
-    const Problem p{x, ldx, rows, k, group, tail.data(), group_sums.data(), y, ldy};
+    const Problem p{x, ldx, rows, k, group, tail.data(), group_sums.data(), y, ldy, y_bfloat16 != 0};
     const Plane planes[2] = {{codes, scales, zeros, centers, k},
                              {high_codes, high_scales, high_zeros, high_centers, k_high}};
     const int64_t tiles = n / TILE_N;
@@ -313,7 +326,7 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
                 continue;
             }
             for (int64_t m = 0; m < rows; m++)
-                std::fill_n(y + m * ldy + t0 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, 0.f);
+                std::fill_n(p.floats() + m * ldy + t0 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, 0.f);
             for (int q = 0; q < count; q++) {
                 if (two_tiles)
                     multiply_plane<true>(p, planes[q], t0, buffer, sums);
