@@ -91,7 +91,14 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const char* in = static_cast<const char*>(x) + r * ldx * width;
-            for (int64_t i = 0; i < k; i++) a[i] = qrun_load_value<kind>(in, i) * (inverse ? 1.f : signs[i]) * norm;
+            int64_t i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= k; i += 16) {
+                const __m512 scaled = _mm512_mul_ps(qrun_load16<kind>(in, i), _mm512_set1_ps(norm));
+                _mm512_storeu_ps(a.data() + i, inverse ? scaled : _mm512_mul_ps(scaled, _mm512_loadu_ps(signs + i)));
+            }
+#endif
+            for (; i < k; i++) a[i] = qrun_load_value<kind>(in, i) * (inverse ? 1.f : signs[i]) * norm;
             for (int64_t p = 0; p < odd; p++) {
                 if (n % 16 == 0)
                     walsh_hadamard_vectors(a.data() + p * n, n);
@@ -104,8 +111,14 @@ void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const flo
                 rotated = b.data();
             }
             char* dst = static_cast<char*>(out) + r * ldout * width;
-            for (int64_t i = 0; i < k; i++)
-                qrun_store_value<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
+            i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= k; i += 16) {
+                const __m512 values = _mm512_loadu_ps(rotated + i);
+                qrun_store16<kind>(dst, i, inverse ? _mm512_mul_ps(values, _mm512_loadu_ps(signs + i)) : values);
+            }
+#endif
+            for (; i < k; i++) qrun_store_value<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
         }
     }
 }
