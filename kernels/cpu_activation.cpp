@@ -14,22 +14,12 @@ inline float silu(float x) {
 }
 
 #if defined(__AVX512F__)
-// silu of 16 floats, as silu() computes each (qrun_exp_nonpositive's steps, vectorised: the same results).
+// silu of 16 floats, as silu() computes each (the same results).
 inline __m512 silu16(__m512 x) {
-    const __m512 y = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)), _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145752f),
-                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-1.42860677e-6f), y));
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    const __m512 scale = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-    const __m512 t = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.f), _CMP_GT_OQ), p, scale);
+    const __m512 t = qrun_exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
     const __m512 top = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, t);
     return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.f), t));
 }
-
 #endif
 
 // As the reference rounds: the SiLU to the rows' dtype, then the product.
@@ -62,11 +52,7 @@ void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, 
 // with their rows ld elements apart. 0: done; 1: an unknown kind.
 extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,
                                  int64_t width, int threads) {
-    if (kind == QRUN_F32)
-        silu_and_mul_rows<QRUN_F32>(gate, up, ld, out, rows, width, threads);
-    else if (kind == QRUN_BF16)
-        silu_and_mul_rows<QRUN_BF16>(gate, up, ld, out, rows, width, threads);
-    else
-        return 1;
-    return 0;
+    return qrun_with_kind(kind, [&](auto k) {
+        silu_and_mul_rows<decltype(k)::value>(gate, up, ld, out, rows, width, threads);
+    });
 }

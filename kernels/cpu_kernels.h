@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // bfloat16 bits of a float, rounded to nearest even as torch rounds; NaN stays NaN. Branch-free, so loops of it
 // vectorise.
@@ -21,6 +22,18 @@ inline uint16_t qrun_bfloat16_bits(float value) {
 
 // The element kinds of the float kernels' rows (their `kind` arguments, as cpu_ops.cpp passes them).
 enum qrun_kind : int { QRUN_F32 = 0, QRUN_BF16 = 1 };
+
+// f(std::integral_constant<int, kind>) for a kernel's runtime kind: 0 once it ran, 1 for an unknown kind.
+template <typename F>
+inline int qrun_with_kind(int kind, const F& f) {
+    if (kind == QRUN_F32)
+        f(std::integral_constant<int, QRUN_F32>{});
+    else if (kind == QRUN_BF16)
+        f(std::integral_constant<int, QRUN_BF16>{});
+    else
+        return 1;
+    return 0;
+}
 
 // Element i of a row of float32 (QRUN_F32) or bfloat16 (QRUN_BF16) values as a float, and a float stored as one
 // (rounded to nearest even). The kind is a template argument, so loops over a row vectorise without a branch per value.
@@ -92,22 +105,41 @@ inline void qrun_rotary_pair(float a, float b, float cos, float sin, float& firs
 
 // e^x for x <= 0 (attention scores minus their maximum; SiLU's e^-|x|), in plain arithmetic the compiler vectorises:
 // 2^n by exponent bits, e^r on |r| <= ln2 / 2 by a degree-6 polynomial (~2 ulp); below -87 (e^x < 1.7e-38) it is 0.
+// Its constants: the floor, log2(e), ln 2 in a high and a low part, the polynomial's coefficients (highest first).
+struct qrun_exp_constants {
+    static constexpr float floor = -87.f, log2e = 1.44269504f, ln2_high = 0.693145752f, ln2_low = 1.42860677e-6f;
+    static constexpr float poly[7] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+};
+
 inline float qrun_exp_nonpositive(float x) {
-    x = std::max(x, -87.f);
-    const float n = std::nearbyint(x * 1.44269504f);
-    const float r = std::fma(n, -0.693145752f, std::fma(n, -1.42860677e-6f, x));
-    float p = 1.f / 720;
-    p = std::fma(p, r, 1.f / 120);
-    p = std::fma(p, r, 1.f / 24);
-    p = std::fma(p, r, 1.f / 6);
-    p = std::fma(p, r, 0.5f);
-    p = std::fma(p, r, 1.f);
-    p = std::fma(p, r, 1.f);
+    using C = qrun_exp_constants;
+    x = std::max(x, C::floor);
+    const float n = std::nearbyint(x * C::log2e);
+    const float r = std::fma(n, -C::ln2_high, std::fma(n, -C::ln2_low, x));
+    float p = C::poly[0];
+    for (int i = 1; i < 7; i++) p = std::fma(p, r, C::poly[i]);
     uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, sizeof(scale));
-    return x <= -87.f ? 0.f : p * scale;
+    return x <= C::floor ? 0.f : p * scale;
 }
+
+#if defined(__AVX512F__)
+// qrun_exp_nonpositive of 16 floats, step for step (the same results).
+inline __m512 qrun_exp_nonpositive16(__m512 x) {
+    using C = qrun_exp_constants;
+    x = _mm512_max_ps(x, _mm512_set1_ps(C::floor));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(C::log2e)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-C::ln2_high),
+                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-C::ln2_low), x));
+    __m512 p = _mm512_set1_ps(C::poly[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::poly[i]));
+    const __m512 scale = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(C::floor), _CMP_GT_OQ), p, scale);
+}
+#endif
 
 // 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
 // compiler keeps in registers.

@@ -63,11 +63,7 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
 // with a residual, sum = x + residual as well. 0: done; 1: an unknown kind.
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
                              int64_t rows, int64_t hidden, float eps, int threads) {
-    if (kind == QRUN_F32)
-        rms_norm_rows<QRUN_F32>(x, residual, weight, out, sum, rows, hidden, eps, threads);
-    else if (kind == QRUN_BF16)
-        rms_norm_rows<QRUN_BF16>(x, residual, weight, out, sum, rows, hidden, eps, threads);
-    else
-        return 1;
-    return 0;
+    return qrun_with_kind(kind, [&](auto k) {
+        rms_norm_rows<decltype(k)::value>(x, residual, weight, out, sum, rows, hidden, eps, threads);
+    });
 }

@@ -38,11 +38,7 @@ void rotary_rows(const void* x, int64_t ld, void* out, const int64_t* positions,
 extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out, const int64_t* positions,
                                  const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads) {
     if (dim % 2) return 1;
-    if (kind == QRUN_F32)
-        rotary_rows<QRUN_F32>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
-    else if (kind == QRUN_BF16)
-        rotary_rows<QRUN_BF16>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
-    else
-        return 1;
-    return 0;
+    return qrun_with_kind(kind, [&](auto k) {
+        rotary_rows<decltype(k)::value>(x, ld, out, positions, cos_sin, tokens, heads, dim, threads);
+    });
 }

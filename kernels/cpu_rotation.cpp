@@ -158,13 +158,10 @@ extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, 
 extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout, int kind, const float* signs,
                            const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int inverse, int threads) {
     const int64_t n = odd > 0 ? k / odd : 0;
-    if (n <= 0 || n * odd != k || (n & (n - 1)) != 0 || (odd > 1 && odd_factor == nullptr) ||
-        (kind != QRUN_F32 && kind != QRUN_BF16))
-        return 1;
+    if (n <= 0 || n * odd != k || (n & (n - 1)) != 0 || (odd > 1 && odd_factor == nullptr)) return 1;
     const auto run = [&](auto rotate) { rotate(x, ldx, out, ldout, signs, odd_factor, odd, n, rows, threads); };
-    if (kind == QRUN_F32)
-        inverse ? run(rotate_rows<QRUN_F32, true>) : run(rotate_rows<QRUN_F32, false>);
-    else
-        inverse ? run(rotate_rows<QRUN_BF16, true>) : run(rotate_rows<QRUN_BF16, false>);
-    return 0;
+    return qrun_with_kind(kind, [&](auto element) {
+        constexpr int row_kind = decltype(element)::value;
+        inverse ? run(rotate_rows<row_kind, true>) : run(rotate_rows<row_kind, false>);
+    });
 }
