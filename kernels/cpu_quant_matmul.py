@@ -137,14 +137,14 @@ def tile_dequantize_rows(group: int, high_plane: bool) -> int:
     """From how many rows of bfloat16 inputs the AMX kernel runs in weights mode for a weight in
     groups of `group` inputs: the codes mode's scaling costs per row, group and plane, the weights
     mode's dequantization per weight (a high plane's digits dequantized with the low ones', so its
-    tiles multiply once). SmolLM2's 120 layer linears (30 layers' distinct weights, so read from
-    memory as in a step) on a 2-core Xeon, ms, codes / weights mode: in groups of 32, 14.0 / 11.4
-    at 16 rows, 21.7 / 16.2 at 32, 35.9 / 26.1 at 56; in groups of 96 (128 for the 1536-input down
-    projection), 8.2-8.5 / 10.3-10.8 at 16, 11.7-12.0 / 17.3-17.5 at 32, and from 56 rows on level
-    within the noise (+-20% between runs). Half the group size is where they meet. With a high
-    plane codes mode's work doubles: the 4.0-bpw SmolLM2's 6-bit head (49152 x 576, groups of 96)
-    took 3.1 / 3.5 ms at 24 rows, 4.3 / 3.7 at 32, 7.4 / 4.6 at 48, so a quarter of the group."""
-    return max(1, group // (4 if high_plane else 2))
+    tiles multiply once), overlapped with the products of the tiles before. SmolLM2's 4.0-bpw layer
+    linears (30 layers' distinct weights, so read from memory as in a step) on a 2-core Xeon, ms,
+    codes / weights mode: the 52 in groups of 32, 2.11 / 2.43 at 8 rows, 2.33 / 2.35 at 10, 3.14 /
+    2.45 at 16; the 44 in groups of 96, 2.79 / 3.39 at 16, 3.69 / 3.63 at 24, 4.28 / 3.70 at 28; the
+    24 in groups of 128, 1.22 / 1.42 at 24, 1.45 / 1.44 at 28; the 6-bit head (49152 x 576, groups
+    of 96, a high plane) 2.17 / 2.51 at 16, 2.85 / 2.65 at 20, 3.13 / 2.61 at 24. So a quarter of
+    the group, a fifth with a high plane."""
+    return max(1, group // (5 if high_plane else 4))
 
 
 @functools.cache
