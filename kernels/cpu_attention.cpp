@@ -159,8 +159,10 @@ struct Step {
 // A work item is CHUNK tokens of one decode row's sequence, every KV head: its keys and values are read as they lie
 // (a token's heads side by side), a long sequence spreads over the threads (each chunk's softmax is merged after, as
 // flash-decoding does). Tokens pass LANES at a time; the next LANES tokens' rows are fetched meanwhile (blocks are
-// scattered, which the hardware's prefetchers do not follow). Each row is converted to floats once, in registers, for
-// a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers too).
+// scattered, which the hardware's prefetchers do not follow), the values' by the keys' pass as well as by their own,
+// and a chunk's first LANES tokens' before it starts (16 sequences of 380 tokens, cold caches, a 2-core Xeon: 518 ->
+// 421 us a layer; fetching the values only in the keys' pass: 720). Each row is converted to floats once, in
+// registers, for a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers too).
 constexpr int64_t CHUNK = 128, LANES = 16;
 
 template <int64_t dim>
@@ -294,11 +296,18 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
     // f(heads, pass, t0) for every LANES tokens from t0, KV head and pack of query heads
     const auto each_pass = [&](const void* cache, const _Float16* scales, const auto& f) {
         int64_t slots[LANES];
+        const bool keys = cache == step.k_cache;
+        for (int64_t t = 0; t < std::min(LANES, length) && keys; t++) {
+            prefetch_rows<kind, dim>(cache, slot_of(t) * kv_heads, kv_heads, scales);
+            prefetch_rows<kind, dim>(step.v_cache, slot_of(t) * kv_heads, kv_heads, step.v_scales);
+        }
         for (int64_t t0 = 0; t0 < length; t0 += LANES) {
             const int64_t count = std::min(LANES, length - t0);
             for (int64_t t = 0; t < count; t++) slots[t] = slot_of(t0 + t);
-            for (int64_t t = t0 + LANES; t < std::min(t0 + 2 * LANES, length); t++)
+            for (int64_t t = t0 + LANES; t < std::min(t0 + 2 * LANES, length); t++) {
                 prefetch_rows<kind, dim>(cache, slot_of(t) * kv_heads, kv_heads, scales);
+                if (keys) prefetch_rows<kind, dim>(step.v_cache, slot_of(t) * kv_heads, kv_heads, step.v_scales);
+            }
             for (int64_t kv_head = 0; kv_head < kv_heads; kv_head++)
                 for (int64_t p = 0, first = kv_head * heads_per_kv; p < packs; first += pack_heads(p), p++)
                     with_heads<pack_size<dim>()>(pack_heads(p), [&](auto heads) {
@@ -319,9 +328,20 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
         }
         float top = -FLT_MAX;
         for (int64_t i = 0; i < LANES; i++) top = std::max(top, tops[i]);
+#if defined(__AVX512F__)
+        // 16 scores at a time (the padding's -FLT_MAX gives 0)
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += LANES) {
+            const __m512 weights = qrun_exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(s + t, weights);
+            sums = _mm512_add_ps(sums, weights);
+        }
+        const float sum = _mm512_reduce_add_ps(sums);
+#else
         for (int64_t t = 0; t < length; t++) s[t] = qrun_exp_nonpositive(s[t] - top);
         float sum = 0.f;
         for (int64_t t = 0; t < length; t++) sum += s[t];
+#endif
         partial.top[head] = top;
         partial.sum[head] = sum;
     }
