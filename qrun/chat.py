@@ -205,13 +205,13 @@ class ChatApp:
     def answer(self, text: str) -> None:
         session = self.session
         session.messages.append({"role": "user", "content": text})
-        ids, dropped = session.fit()
-        if dropped:
-            self.console.print(f"[yellow]context full: dropped the oldest {dropped} messages[/yellow]")
-        answer, output = "", None
+        answer, output, stream = "", None, None
         start = time.perf_counter()
-        stream = session.llm.stream_outputs(ids, session.params)
-        try:
+        try:  # Ctrl-C from here on interrupts the answer, also while the prompt is still being tokenized
+            ids, dropped = session.fit()
+            if dropped:
+                self.console.print(f"[yellow]context full: dropped the oldest {dropped} messages[/yellow]")
+            stream = session.llm.stream_outputs(ids, session.params)
             with Live(Markdown(""), console=self.console, auto_refresh=False, vertical_overflow="visible") as live:
                 shown = time.perf_counter()
                 for output in stream:
@@ -220,15 +220,18 @@ class ChatApp:
                         live.update(Markdown(answer), refresh=True)
                         shown = time.perf_counter()
         except KeyboardInterrupt:
-            stream.close()  # aborts the request
+            if stream is not None:
+                stream.close()  # aborts the request
             self.console.print("[yellow]interrupted[/yellow]")
-        if output is not None and output.error is not None:
+        if output is None:  # interrupted before the engine answered: the turn did not happen
+            session.messages.pop()
+            return
+        if output.error is not None:
             session.messages.pop()  # the turn did not happen: the user may ask again
             raise RequestFailed(f"no answer: {output.error}")
         # A partial answer stays in the conversation: it is what the user saw.
         session.messages.append({"role": "assistant", "content": answer})
-        if output is not None:
-            self.console.print(stats_line(output, time.perf_counter() - start), style="dim", highlight=False)
+        self.console.print(stats_line(output, time.perf_counter() - start), style="dim", highlight=False)
 
 
 def run_chat(args: argparse.Namespace) -> None:

@@ -69,6 +69,23 @@ def test_a_failed_answer_is_an_error_and_leaves_the_conversation_as_it_was(tiny_
     assert session.messages == []  # nothing half-answered for the next turn to build on
 
 
+def test_ctrl_c_before_the_answer_streams_interrupts_the_turn_and_leaves_the_conversation(tiny_llm, monkeypatch):
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=8, temperature=0))
+    screen = io.StringIO()
+    app = ChatApp(session, Console(file=screen))
+
+    def interrupted_fit():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "fit", interrupted_fit)
+    app.answer("hello")  # no KeyboardInterrupt escapes to end the chat
+    assert "interrupted" in screen.getvalue()
+    assert session.messages == []
+    monkeypatch.undo()
+    app.answer("hello")
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
 def test_set_parses_values_and_rejects_bad_ones():
     params = parse_settings(SamplingParams(), ["temperature=0.7", "top_p=0.9", "max_tokens=30", "stop=END"])
     assert (params.temperature, params.top_p, params.max_tokens, params.stop_strings) == (0.7, 0.9, 30, ("END",))
@@ -116,8 +133,10 @@ def test_terminal_session_streams_interrupts_and_quits(tiny_llama_dir, tmp_path)
         child.sendline("/set max_tokens=300 ignore_eos=true")
         child.expect(">>> ")
         child.sendline("Now a very long one.")
-        child.expect("Now a very long one.\r\n")  # the echo; then interrupt once the answer streams
-        child.read_nonblocking(1, timeout=60)
+        child.expect("Now a very long one.\r\n")  # the echo
+        # then interrupt once the answer's display starts (it hides the cursor): the terminal is out of input()'s
+        # line editing by then, so Ctrl-C is a signal, and the tiny model's 300 tokens take a fraction of a second
+        child.expect(re.escape("\x1b[?25l"))
         child.sendintr()
         child.expect("interrupted")
         child.expect(">>> ")
