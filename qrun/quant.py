@@ -209,8 +209,9 @@ class CpuQuantMatmul(nn.Module):
     of the packed rows: act order puts them first). The planes run on one of two kernels, chosen
     per matrix at load:
     - `kernels/cpu_quant_matmul.py`'s (int8 activations times the codes, AVX512-VNNI; on CPUs with
-      AMX, from 64 bfloat16 rows on, oneDNN on the weight dequantized per call), where the CPU has
-      it and the shapes fit (N a multiple of 16, groups of a multiple of 32 inputs);
+      AMX, `tile_rows()` bfloat16 rows and more on the tile unit, and prefill chunks from
+      `dequantize_rows()` rows on through oneDNN on the weight dequantized per call), where the CPU
+      has it and the shapes fit (N a multiple of 16, groups of a multiple of 32 inputs);
     - otherwise `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations, scales and zeros), and
       from `cpu_int4.DEQUANTIZE_ROWS` rows on (prefill chunks), where that kernel is slower than a
       bfloat16 matmul, the weight dequantized per call and multiplied by oneDNN.
