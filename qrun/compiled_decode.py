@@ -23,6 +23,7 @@ same layer eagerly instead of compiling in the foreground.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from types import SimpleNamespace
@@ -71,14 +72,15 @@ class CompiledDecode:
         self._started = False
         self._thread: threading.Thread | None = None
 
-    def layer_for(self, spans: list[tuple[int, int]]) -> Callable | None:
-        """The compiled layer if a step computing `spans` (start, end per sequence) should run it."""
+    def layers_for(self, spans: list[tuple[int, int]]) -> Callable | None:
+        """`Transformer.forward`'s `layers` running the compiled layer, if a step computing `spans`
+        (start, end per sequence) should run it."""
         if any(end - start != 1 for start, end in spans):
             return None
         self.decode_steps += 1
         if not self._started and self.decode_steps > COMPILE_AFTER_DECODE_STEPS:
             self.start()
-        return self.layer
+        return None if self.layer is None else functools.partial(self.model.run_layers, layer_forward=self.layer)
 
     def start(self) -> threading.Thread:
         """Compile in the background; the thread sets `layer` when done."""
@@ -124,7 +126,7 @@ class CompiledDecode:
                                                    device, compiled=True)
                     self.model(torch.zeros(batch, dtype=torch.int64, device=device),
                                torch.full((batch,), end - 1, dtype=torch.int64, device=device),
-                               meta, scratch_cache, layer_forward=compiled)
+                               meta, scratch_cache, functools.partial(self.model.run_layers, layer_forward=compiled))
         except Exception:  # a machine whose compiler lacks a piece keeps running eager
             log.warning("compiling decode steps failed; they stay eager", exc_info=True)
             return

@@ -1,4 +1,4 @@
-"""Decode steps on the CPU with each decoder layer as one C++ call (`kernels/cpu_decode_layer.cpp`).
+"""Decode steps on the CPU with every decoder layer in one C++ call (`kernels/cpu_decode_layer.cpp`).
 
 At one to a few sequences a decode step is bound by per-op overhead, not by the matmuls: eager, a
 SmolLM2 layer is ~50 torch ops (~0.7 ms a layer, 22 ms a step at batch 1, against a few ms of
@@ -7,7 +7,8 @@ Dynamo's guards and the graphs' Python wrappers). The C++ layer runs the eager l
 its order, with the same kernels (the kernel table's CPU ones, torch's dense matmuls
 called from C++), so its results are the torch layers' bit for bit (tested); a 4.0-bpw SmolLM2
 step at batch 1 took 9 ms instead of 22. Like exllamav2's C++ attention and MLP, it is built
-once at load from the layer's modules (`build_layer`) and holds their weights. It covers float
+once at load from the layer's modules (`build_layer`) and holds their weights and cache; the
+layers run in order from one call (a call from Python costs ~25 us). It covers float
 and quantized (int8, int4) KV caches, heads the C++ attention takes, dense linears and quantized
 ones on the VNNI kernel; an engine whose layers it does not all cover runs the compiled torch
 layer instead (`qrun/compiled_decode.py`). Steps with a prefill chunk run the torch layers.
@@ -83,7 +84,8 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
         return None
     fused = torch.classes.qrun.DecodeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                             layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
-                                            attn.head_dim, attn.scale)
+                                            attn.head_dim, attn.scale, cache.k, cache.v, cache.k_scales,
+                                            cache.v_scales)
     for slot, args in enumerate(linears):
         fused.set_linear(slot, *args)
     odd = None if cache.rotation_factors is None else odd_factor(cache.rotation_factors)
@@ -93,10 +95,10 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
 
 
 class DecodeLayers:
-    """The C++ decode steps of every layer of a model."""
+    """The C++ decode steps of every layer of a model, run in order by one call."""
 
-    def __init__(self, layers: dict[int, torch.ScriptObject]):
-        self.layers = layers  # by id() of the DecoderLayer
+    def __init__(self, stack: torch.ScriptObject):
+        self.stack = stack
 
     @classmethod
     def build(cls, model: Transformer, kv_cache: KVCache) -> "DecodeLayers | None":
@@ -104,16 +106,20 @@ class DecodeLayers:
         or some layer is not covered (the step then runs the torch layers)."""
         if not cpu_library.available():
             return None
-        layers = {id(layer): build_layer(layer, cache) for layer, cache in zip(model.layers, kv_cache.layers)}
-        return cls(layers) if all(fused is not None for fused in layers.values()) else None
+        layers = [build_layer(layer, cache) for layer, cache in zip(model.layers, kv_cache.layers)]
+        if any(fused is None for fused in layers):
+            return None
+        stack = torch.classes.qrun.DecodeStack(model.cos_sin)
+        for fused in layers:
+            stack.add_layer(fused)
+        return cls(stack)
 
-    def layer_forward(self, half_gemv: bool = True) -> Callable:
-        """`Transformer.forward`'s layer_forward for a step in which every sequence decodes one
-        token. `half_gemv`: dense bfloat16 linears may take their float16 GEMV path
+    def layers_forward(self, half_gemv: bool = True) -> Callable:
+        """`Transformer.forward`'s `layers` for a step in which every sequence decodes one token.
+        `half_gemv`: dense bfloat16 linears may take their float16 GEMV path
         (`cpu_linear.bfloat16_only` is the other case)."""
-        def layer_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-                          cos_sin: torch.Tensor, meta: AttentionMetadata, cache: LayerKV):
-            return self.layers[id(layer)].forward(x, residual, positions, cos_sin, meta.slot_mapping,
-                                                  meta.block_tables, meta.seq_lens, meta.query_start_loc, cache.k,
-                                                  cache.v, cache.k_scales, cache.v_scales, half_gemv)
-        return layer_forward
+        def layers_forward(x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                           kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.stack.forward(x, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, half_gemv)
+        return layers_forward

@@ -212,17 +212,24 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, layer_forward: Callable | None = None) -> torch.Tensor:
+                kv_cache: KVCache, layers: Callable | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per input token.
-        `layer_forward(layer, x, residual, ...)` runs each layer in place of `DecoderLayer.forward`
-        (the compiled one: `qrun/compiled_decode.py`)."""
-        layer_forward = layer_forward or DecoderLayer.__call__
+        `layers(x, residual, positions, meta, kv_cache)` runs the decoder layers in place of
+        `run_layers` (the C++ decode step: `qrun/cpu_decode.py`)."""
         x = self.embed_tokens(input_ids)
         residual = torch.zeros_like(x)  # the first layer adds one too, so one compiled graph serves all
-        for layer, cache in zip(self.layers, kv_cache.layers):
-            x, residual = layer_forward(layer, x, residual, positions, self.cos_sin, meta, cache)
+        x, residual = (layers or self.run_layers)(x, residual, positions, meta, kv_cache)
         x, _ = self.norm(x, residual)
         return x
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: KVCache,
+                   layer_forward: Callable = DecoderLayer.__call__) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after every decoder layer, each run by `layer_forward(layer, x, residual, ...)`
+        (the compiled layer: `qrun/compiled_decode.py`)."""
+        for layer, cache in zip(self.layers, kv_cache.layers):
+            x, residual = layer_forward(layer, x, residual, positions, self.cos_sin, meta, cache)
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the given hidden rows (only the rows that sample a token)."""

@@ -36,7 +36,7 @@ class ModelRunner:
         calibrations = key_calibration(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, calibrations)
         self.half_gemv = uses_cpu_dense_linears(self.model)
-        # decode steps: each layer one C++ call where the CPU kernels cover the model, else a
+        # decode steps: every layer in one C++ call where the CPU kernels cover the model, else a
         # compiled torch layer (unless compile_decode is off), else eager
         self.decode_layers = DecodeLayers.build(self.model, self.kv_cache) if backend(self.device) == "cpu" else None
         self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_layers is None
@@ -70,31 +70,31 @@ class ModelRunner:
                 sampling.append(seq)
         decode = self.decode_layers is not None and all(end - start == 1 for start, end in spans)
         if decode:
-            layer = self.decode_layers.layer_forward()
+            layers = self.decode_layers.layers_forward()
         else:
-            layer = self.compiled.layer_for(spans) if self.compiled is not None else None
+            layers = self.compiled.layers_for(spans) if self.compiled is not None else None
         meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
-                                       compiled=self.compiled is not None and layer is not None)
+                                       compiled=self.compiled is not None and layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in (input_ids, positions, sample_rows))
 
-        def forward(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
-            hidden = self.model(ids, positions, meta, self.kv_cache, layer)
+        def forward(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden = self.model(ids, positions, meta, self.kv_cache, layers)
             return hidden, self.model.compute_logits(hidden[rows]) if sampling else None
 
         try:
-            hidden, logits = forward(layer)
+            hidden, logits = forward(layers)
         except Exception:  # a compiled step that fails must not stop the engine: eager from now on
-            if self.compiled is None or layer is None:
+            if self.compiled is None or layers is None:
                 raise
             log.warning("compiled decode step failed; running eager from now on", exc_info=True)
             self.compiled.disable()
-            layer = None
-            hidden, logits = forward(layer)
+            layers = None
+            hidden, logits = forward(layers)
         if self.half_gemv and len(input_ids) <= GEMV_ROWS and not _all_finite(hidden, logits):
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
-                hidden, logits = forward(self.decode_layers.layer_forward(half_gemv=False) if decode else layer)
+                hidden, logits = forward(self.decode_layers.layers_forward(half_gemv=False) if decode else layers)
         if logits is None:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampling
         return logits, sampling

@@ -45,8 +45,8 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
             else:
                 tensor.normal_(generator=g)
         results = []
-        for layer_forward in (None, runner.decode_layers.layer_forward(half_gemv)):
-            hidden = model(ids, positions, meta, cache, layer_forward)
+        for layers in (None, runner.decode_layers.layers_forward(half_gemv)):
+            hidden = model(ids, positions, meta, cache, layers)
             results.append((hidden, [t.clone() for t in cache.tensors()]))
     return results
 
