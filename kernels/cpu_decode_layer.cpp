@@ -62,8 +62,8 @@ struct Linear {
     std::vector<at::Tensor> weights;
     std::optional<at::Tensor> bias, perm, signs, odd_factor;
     int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
-    // QUANT: the op's kernel choice by rows (cpu_quant_matmul.py)
-    int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0;
+    // QUANT: the op's kernel choice by rows and its streams at one or two (cpu_quant_matmul.py)
+    int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0;
 
     at::Tensor rotate(const at::Tensor& x) const {  // kernels/cpu_rotation.cpp
         static const auto op = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&)>(
@@ -77,11 +77,11 @@ struct Linear {
         static const auto op = library_op<at::Tensor(
             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
             c10::SymInt, const Optional&, const Optional&, const Optional&, const Optional&, int64_t, int64_t,
-            int64_t, int64_t, int64_t)>("qrun::quant_matmul");
+            int64_t, int64_t, int64_t, int64_t)>("qrun::quant_matmul");
         const auto high = [&](size_t i) { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; };
         const at::Tensor y = op.call(x, weights[0], weights[1], weights[2], weights[3], group,
                                      c10::SymInt(out_features), high(0), high(1), high(2), high(3), k_high,
-                                     input_digits, tile_rows, tile_dequantize_rows, dequantize_rows);
+                                     input_digits, tile_rows, tile_dequantize_rows, dequantize_rows, read_streams);
         return bias ? at::add(y, bias->to(x.scalar_type())) : y;
     }
 
@@ -143,12 +143,12 @@ class DecodeLayer : public torch::CustomClassHolder {
     void set_linear(int64_t slot, int64_t kind, std::vector<at::Tensor> weights, std::optional<at::Tensor> bias,
                     std::optional<at::Tensor> perm, std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
                     int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits, int64_t tile_rows,
-                    int64_t tile_dequantize_rows, int64_t dequantize_rows) {
+                    int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
         TORCH_CHECK(slot >= 0 && slot < 4 && kind >= QUANT && kind <= HALF_GEMV_PACKED,
                     "DecodeLayer.set_linear: slot ", slot, " kind ", kind);
         linears_[slot] = Linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                                 std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
-                                tile_dequantize_rows, dequantize_rows};
+                                tile_dequantize_rows, dequantize_rows, read_streams};
     }
 
     std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual,

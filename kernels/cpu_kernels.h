@@ -168,7 +168,7 @@ extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, 
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, void* y,
                                  int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
-                                 int input_digits, int accumulate, int threads);
+                                 int input_digits, int accumulate, int read_streams, int threads);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
                               int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads);
 extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out, const int64_t* positions,

@@ -104,14 +104,16 @@ const T* data_or_null(const std::optional<at::Tensor>& tensor) {
 // One plane's product: y (float32, or bfloat16 rounded once) = x[:, :k] W^T, or y += it (float32 y).
 void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k,
-                        int64_t input_digits, at::Tensor& y, bool accumulate) {
+                        int64_t input_digits, int64_t read_streams, at::Tensor& y, bool accumulate) {
     TORCH_CHECK(plane_laid_out(codes, scales, zeros, centers, y.size(1), k),
                 "quant_matmul: packed weights do not match [", y.size(1), ", ", k, "]");
+    TORCH_CHECK(read_streams == 1 || read_streams == 2 || read_streams == 4, "quant_matmul: read_streams must be 1, 2 "
+                "or 4 (kernels/cpu_quant_matmul.py's READ_STREAMS), got ", read_streams);
     const int status = qrun_quant_matmul(
         x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
         static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
         static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr(), y.scalar_type() == at::kBFloat16, y.stride(0),
-        x.size(0), y.size(1), k, group, input_digits, accumulate, at::get_num_threads());
+        x.size(0), y.size(1), k, group, input_digits, accumulate, read_streams, at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", k, "] by a [", y.size(1), ", ",
                 k, "] weight in groups of ", group, " (status ", status, ")");
 }
@@ -166,13 +168,14 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
 
 // Which kernel multiplies (kernels/cpu_quant_matmul.py: tile_rows, tile_dequantize_rows, dequantize_rows): bfloat16
 // rows from dequantize_rows on (0: never) oneDNN on the dequantized weight, from tile_rows on (0: never) the AMX
-// kernel, in weights mode from tile_dequantize_rows on (0: never); else the VNNI kernel.
+// kernel, in weights mode from tile_dequantize_rows on (0: never); else the VNNI kernel, reading read_streams runs of
+// weights side by side at one or two rows.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t out_features,
                         const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
                         const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
                         int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t tile_dequantize_rows,
-                        int64_t dequantize_rows) {
+                        int64_t dequantize_rows, int64_t read_streams) {
     const bool bfloat16 = x.scalar_type() == at::kBFloat16;
     if (bfloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
         return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
@@ -187,11 +190,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     // one plane's bfloat16 product rounds as it is stored; a second plane adds to float32 sums first
     const bool direct = bfloat16 && !high_codes.has_value();
     at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(direct ? at::kBFloat16 : at::kFloat));
-    quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, y, false);
+    quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, read_streams, y,
+                       false);
     if (direct) return y;
     if (high_codes.has_value())
-        quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits, y,
-                           true);
+        quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits,
+                           read_streams, y, true);
     if (x.scalar_type() == at::kFloat) return y;
     return bfloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
 }
@@ -199,7 +203,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, int64_t, c10::SymInt out_features, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, int64_t) {
+                              const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              int64_t) {
     return at::empty_symint({x.sym_size(0), out_features}, x.options());
 }
 
@@ -445,7 +450,8 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
     m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
-          "int k_high, int input_digits, int tile_rows, int tile_dequantize_rows, int dequantize_rows) -> Tensor");
+          "int k_high, int input_digits, int tile_rows, int tile_dequantize_rows, int dequantize_rows, "
+          "int read_streams) -> Tensor");
     m.def("quant_matmul_available() -> bool", &quant_matmul_available);
     m.def("quant_matmul_tiles_available() -> bool", &quant_matmul_tiles_available);
     m.def("dequantize_planes(Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "

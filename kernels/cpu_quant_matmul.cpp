@@ -209,12 +209,13 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
     }
 }
 
-// Tiles a thread reads side by side at one or two rows, where the product is bound by reading the weights: a core
-// keeps more reads in flight over several sequential streams than over one.
-constexpr int STREAMS = 4;
+// At one or two rows the product is bound by reading the weights, and how many sequential streams a core reads
+// fastest differs by CPU: on a 2-core Xeon four tiles side by side read more than one (the 6-bit head of a 4.0-bpw
+// SmolLM2 1.64 -> 1.02 ms), on a 2-core EPYC (Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2
+// / 1 streams). So the count is a parameter (kernels/cpu_quant_matmul.py measures it on the model at load).
 
-// Each thread's tiles in STREAMS quarters read side by side, the rest one at a time.
-template <int R, bool two_digits>
+// Each thread's tiles in STREAMS parts read side by side, the rest one at a time.
+template <int R, bool two_digits, int STREAMS>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
     const int64_t tiles = weights.n / TILE_N;
 #pragma omp parallel num_threads(threads)
@@ -232,10 +233,18 @@ void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out,
     }
 }
 
+template <int R, bool two_digits>
+void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int streams, int threads) {
+    if (streams == 1) return few_rows<R, two_digits, 1>(x, weights, out, threads);
+    if (streams == 2) return few_rows<R, two_digits, 2>(x, weights, out, threads);
+    few_rows<R, two_digits, 4>(x, weights, out, threads);
+}
+
 template <bool two_digits>
-void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, const Output& out, int threads) {
-    if (rows == 1) return few_rows<1, two_digits>(x, weights, out, threads);
-    if (rows == 2) return few_rows<2, two_digits>(x, weights, out, threads);
+void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, const Output& out, int streams,
+                  int threads) {
+    if (rows == 1) return few_rows<1, two_digits>(x, weights, out, streams, threads);
+    if (rows == 2) return few_rows<2, two_digits>(x, weights, out, streams, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t tile = 0; tile < weights.n / TILE_N; tile++) {
         int64_t m0 = 0;
@@ -325,15 +334,16 @@ extern "C" int qrun_quant_matmul_available() {
 
 // y [M, N] (float32, or bfloat16 when y_bfloat16; row stride ldy) = x[:, :K] (float32, or bfloat16 when x_bfloat16;
 // row stride ldx) W^T, or y += it (accumulate, float32 y only), with x rounded to `input_digits` (1 or 2) int8 digits
-// per element. 0: done; 1: shapes the layout does not cover (or a bfloat16 y to accumulate into); 2: no kernel in this
-// build.
+// per element; at one or two rows each thread reads `read_streams` (1, 2 or 4) runs of tiles side by side (the same
+// result whatever the count). 0: done; 1: shapes the layout does not cover (or a bfloat16 y to accumulate into, or
+// another stream count); 2: no kernel in this build.
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, void* y,
                                  int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
-                                 int input_digits, int accumulate, int threads) {
+                                 int input_digits, int accumulate, int read_streams, int threads) {
 #ifdef QRUN_HAS_VNNI
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
-        (accumulate && y_bfloat16))
+        (accumulate && y_bfloat16) || (read_streams != 1 && read_streams != 2 && read_streams != 4))
         return 1;
     const QuantizedRows& quantized =
         x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2)
@@ -341,9 +351,9 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
     const Weights weights{codes, scales, zeros, centers, n, k, group};
     const Output out{y, ldy, accumulate != 0, y_bfloat16 != 0};
     if (input_digits == 2)
-        quant_matmul<true>(quantized, rows, weights, out, threads);
+        quant_matmul<true>(quantized, rows, weights, out, read_streams, threads);
     else
-        quant_matmul<false>(quantized, rows, weights, out, threads);
+        quant_matmul<false>(quantized, rows, weights, out, read_streams, threads);
     return 0;
 #else
     return 2;

@@ -53,7 +53,7 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
         return (QUANT, list(planes), module.bias, module.perm, signs, odd, module.out_features, module.group,
                 module.k_high, module.input_digits, cpu_quant_matmul.tile_rows(),
                 cpu_quant_matmul.tile_dequantize_rows(module.group, len(planes) > 4),
-                cpu_quant_matmul.dequantize_rows())
+                cpu_quant_matmul.dequantize_rows(), module.read_streams)
     if signs is not None:
         return None  # dense linears are never rotated
     if isinstance(module, CpuDenseLinear):
@@ -62,9 +62,9 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
         if module.bias_f16 is not None:
             weights.append(module.bias_f16)
         return (HALF_GEMV_PACKED if packed else HALF_GEMV, weights, module.bias, None, None, None, module.out_features,
-                0, 0, 1, 0, 0, 0)
+                0, 0, 1, 0, 0, 0, 0)
     if type(module) is nn.Linear:
-        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1, 0, 0, 0
+        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1, 0, 0, 0, 0
     return None
 
 

@@ -346,13 +346,18 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
                              f"{config.vocab_size} embeddings {described_by} gives the model; "
                              "is it this model's tokenizer?")
     load_weights(net, tensors(), torch_dtype, torch_device, index)
-    if "quantization_config" in hf_config:
+    quantized = "quantization_config" in hf_config
+    if quantized:
         from qrun.quant import prepare_quantized_linears, share_input_rotations
 
         share_input_rotations(net)
         prepare_quantized_linears(net)
     if fuse_projections:
         net.fuse_projections()
+    if quantized:
+        from qrun.quant import measure_read_streams
+
+        measure_read_streams(net)  # on the matmuls decode steps run: after fusing
     if cpu_dense_linears_apply(torch_device, torch_dtype):
         use_cpu_dense_linears(net)
     net.eval().requires_grad_(False)

@@ -227,6 +227,7 @@ class CpuQuantMatmul(nn.Module):
         # the VNNI kernel's (codes, scales, zeros, centers) of the low digits, then of the high ones
         # (or four Nones); low and high: torch's int4 kernel's weights instead
         self.planes = self.low = self.high = None
+        self.read_streams = cpu_quant_matmul.DEFAULT_READ_STREAMS  # the VNNI kernel's: measure_read_streams
         self.dequantizes = False
         self.gather_columns = (cpu_quant_matmul.gather_columns if backend(torch.device("cpu")) == "cpu"
                                else cpu_quant_matmul.gather_columns_ref)
@@ -273,8 +274,7 @@ class CpuQuantMatmul(nn.Module):
         if self.perm is not None:
             xp = self.gather_columns(xp, self.perm)
         if self.planes is not None:
-            y = cpu_quant_matmul.quant_matmul(xp, *self.planes[:4], self.group, self.out_features, *self.planes[4:],
-                                              self.k_high, self.input_digits)
+            y = self.multiply_planes(xp)
         elif self.dense is not None:
             y = xp @ self.dense.T
         elif self.dequantizes and xp.shape[0] >= cpu_int4.DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
@@ -289,6 +289,11 @@ class CpuQuantMatmul(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y
+
+    def multiply_planes(self, x: torch.Tensor, read_streams: int | None = None) -> torch.Tensor:
+        """x (inputs in packed order) times the VNNI kernel's planes, without the bias."""
+        return cpu_quant_matmul.quant_matmul(x, *self.planes[:4], self.group, self.out_features, *self.planes[4:],
+                                             self.k_high, self.input_digits, read_streams or self.read_streams)
 
     def bfloat16_weight(self) -> torch.Tensor:
         """bfloat16 [N, K], inputs in packed order: the low digits, plus the high ones' prefix
@@ -356,6 +361,33 @@ def prepare_quantized_linears(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare(input_digits=2 if module is head else 1)
+
+
+def measure_read_streams(model: nn.Module, budget_bytes: int = 512 << 20) -> None:
+    """Set every VNNI matmul's read streams to the count under which its model's one-row products
+    run fastest on this machine (`cpu_quant_matmul.fastest_read_streams`): they are timed in model
+    order, as a decode step reads them, over the first `budget_bytes` of weights (all of them
+    beyond any cache but the largest; SmolLM2 at 4.0 bpw: ~90 MB, ~0.1 s). Run at load, after the
+    projections are fused."""
+    matmuls = [m for m in model.modules() if isinstance(m, CpuQuantMatmul) and m.planes is not None]
+    swept, total = [], 0
+    for matmul in matmuls:
+        if total >= budget_bytes:
+            break
+        swept.append((matmul, torch.randn(1, matmul.planes[0].numel() * 2 // matmul.out_features,
+                                          dtype=torch.bfloat16)))
+        total += sum(t.numel() * t.element_size() for t in matmul.planes if t is not None)
+    if not swept:
+        return
+
+    def sweep(read_streams: int) -> None:
+        for matmul, row in swept:
+            matmul.multiply_planes(row, read_streams)
+
+    with torch.inference_mode():
+        fastest = cpu_quant_matmul.fastest_read_streams(sweep)
+    for matmul in matmuls:
+        matmul.read_streams = fastest
 
 
 def module_layouts(hf_config: dict, model: nn.Module) -> dict[str, MatrixLayout]:

@@ -15,10 +15,11 @@ pytestmark = pytest.mark.skipif(not cqm.available(), reason="no AVX512-VNNI kern
 needs_tiles = pytest.mark.skipif(not cqm.tile_rows(), reason="no AMX kernel on this machine")
 
 
-def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0, tile_dequantize_rows=0):
+def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0, tile_dequantize_rows=0,
+       read_streams=cqm.DEFAULT_READ_STREAMS):
     """The op with its kernel chosen here rather than by the machine."""
     return torch.ops.qrun.quant_matmul(x, *low, group, n, *high, k_high, digits, tile_rows, tile_dequantize_rows,
-                                       dequantize_rows)
+                                       dequantize_rows, read_streams)
 
 
 @st.composite
@@ -117,6 +118,34 @@ def test_pack_then_unpack_gives_the_weight(shape):
     scales, zeros = scales.half().float(), zeros.half().float()  # as packed
     expected = (codes.float() - 8).view(n, -1, group) * scales[..., None] + zeros[..., None]
     torch.testing.assert_close(unpacked, expected.view(n, k), rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(weights(), st.integers(1, 2), st.sampled_from([1, 2]))
+def test_every_read_stream_count_gives_the_same_product(shape, rows, digits):
+    """Streams only reorder which tiles a thread reads when; each channel's sums are the same."""
+    low, high, x = problem(shape, rows)
+    n, k, group, k_high, _ = shape
+    products = [op(x, low, group, n, high, k_high, digits, read_streams=streams) for streams in cqm.READ_STREAMS]
+    assert all(torch.equal(product, products[0]) for product in products[1:])
+
+
+def test_a_read_stream_count_the_kernel_lacks_is_rejected_naming_the_choices():
+    low, high, x = problem((32, 64, 32, 0, 0), 1)
+    with pytest.raises(RuntimeError, match="read_streams must be 1, 2 or 4"):
+        op(x, low, 32, 32, high, 0, read_streams=3)
+
+
+@pytest.mark.parametrize("costs, chosen", [({1: 3, 2: 2, 4: 5}, 2), ({1: 4.95, 2: 5, 4: 5}, 4),
+                                           ({1: 9, 2: 9, 4: 5}, 4)])
+def test_fastest_read_streams_keeps_the_default_unless_another_count_is_clearly_faster(monkeypatch, costs, chosen):
+    clock = [0.0]
+    monkeypatch.setattr(cqm.time, "perf_counter", lambda: clock[0])
+
+    def sweep(streams):
+        clock[0] += costs[streams]
+
+    assert cqm.fastest_read_streams(sweep) == chosen
 
 
 def test_a_weight_of_the_wrong_shape_is_rejected_with_its_shapes():

@@ -153,3 +153,19 @@ def test_torch_backend_on_a_gpu_dequantizes_instead_of_using_the_cpu_only_int4_k
     x = torch.randn(3, 256)
     torch.testing.assert_close(module(x), x @ result.dequantized().T, rtol=1e-4, atol=1e-4)
     assert module.cpu_matmul is None
+
+
+
+@pytest.mark.skipif(not cpu_quant_matmul.available(), reason="no AVX512-VNNI kernel on this machine")
+def test_measured_read_streams_reach_every_vnni_matmul_and_leave_its_products_alone(monkeypatch):
+    linears = quantized_siblings(Candidate(64, ((4, 0.5), (3, 0.5))), 256, [64, 32])
+    x = torch.randn(1, 256)
+    before = [lin(x) for lin in linears]
+    swept = []
+    monkeypatch.setattr(cpu_quant_matmul, "fastest_read_streams", lambda sweep: swept.append(sweep(1)) or 1)
+    quant.measure_read_streams(nn.ModuleList(linears))
+    assert swept and [lin.cpu_matmul.read_streams for lin in linears] == [1, 1]
+    multiply, passed = cpu_quant_matmul.quant_matmul, []
+    monkeypatch.setattr(cpu_quant_matmul, "quant_matmul", lambda *args: passed.append(args[-1]) or multiply(*args))
+    assert all(torch.equal(lin(x), product) for lin, product in zip(linears, before))
+    assert passed == [1, 1]
