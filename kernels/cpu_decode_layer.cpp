@@ -159,7 +159,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         std::tuple<at::Tensor, at::Tensor> result;
         AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer", [&] {
             result = step<scalar_t>(x, residual, positions, cos_sin, slot_mapping, block_tables, seq_lens,
-                                    query_start_loc, cache_, half_gemv);
+                                    query_start_loc, half_gemv);
         });
         return result;
     }
@@ -197,18 +197,16 @@ class DecodeLayer : public torch::CustomClassHolder {
                                             const at::Tensor& positions, const at::Tensor& cos_sin,
                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                            const Cache& cache, bool half_gemv) const {
+                                            bool half_gemv) const {
         const at::Tensor x = x_in.contiguous();
         const int64_t rows = x.size(0), dim = head_dim_;
         auto [normed, residual] = add_rms_norm(x, residual_in.contiguous(), input_norm_);
 
         const at::Tensor qkv = linears_[0](normed, half_gemv).contiguous();
-        const at::Tensor attended = cache.k_scales ? quantized_attention<T>(qkv, positions, cos_sin, slot_mapping,
-                                                                            block_tables, seq_lens, query_start_loc,
-                                                                            cache)
-                                                   : float_attention<T>(qkv, positions, cos_sin, slot_mapping,
-                                                                        block_tables, seq_lens, query_start_loc,
-                                                                        cache);
+        const at::Tensor attended = cache_.k_scales ? quantized_attention<T>(qkv, positions, cos_sin, slot_mapping,
+                                                                             block_tables, seq_lens, query_start_loc)
+                                                    : float_attention<T>(qkv, positions, cos_sin, slot_mapping,
+                                                                         block_tables, seq_lens, query_start_loc);
         const at::Tensor projected = linears_[1](attended.view({rows, num_heads_ * dim}), half_gemv).contiguous();
         std::tie(normed, residual) = add_rms_norm(projected, residual, post_attention_norm_);
 
@@ -222,23 +220,22 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
 
     at::Tensor attention(const at::Tensor& queries, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, const Cache& cache) const {  // kernels/cpu_attention.cpp
+                         const at::Tensor& query_start_loc) const {  // kernels/cpu_attention.cpp
         static const auto op = library_op<at::Tensor(
             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
             const at::Tensor&, double, const Optional&, const Optional&)>("qrun::decode_attention");
-        return op.call(queries, cache.k, cache.v, block_tables, seq_lens, query_start_loc, scale_, cache.k_scales,
-                       cache.v_scales);
+        return op.call(queries, cache_.k, cache_.v, block_tables, seq_lens, query_start_loc, scale_, cache_.k_scales,
+                       cache_.v_scales);
     }
 
     // A float cache: rotary and the cache write in one loop, the attention over it; its output in T.
     template <typename T>
     at::Tensor float_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               const Cache& cache) const {
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
         at::Tensor queries = at::empty({qkv.size(0), num_heads_, head_dim_}, qkv.options().dtype(at::kFloat));
-        write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, cache.k, cache.v, queries);
-        return attention(queries, block_tables, seq_lens, query_start_loc, cache).to(qkv.scalar_type());
+        write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, cache_.k, cache_.v, queries);
+        return attention(queries, block_tables, seq_lens, query_start_loc).to(qkv.scalar_type());
     }
 
     // A quantized cache: the eager layer's ops in its order (qrun/model.py's Attention.heads), so the same bytes
@@ -248,8 +245,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     template <typename T>
     at::Tensor quantized_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                   const Cache& cache) const {
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
         static const auto store = library_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                                   const at::Tensor&, at::Tensor&, at::Tensor&)>(
             "qrun::store_kv_quantized");
@@ -280,9 +276,9 @@ class DecodeLayer : public torch::CustomClassHolder {
                              key_reflection_->data_ptr<float>(), rows, heads.size(1), num_kv_heads_, dim,
                              at::get_num_threads());
         for (const at::Tensor& heads : {queries, keys, values}) rotate_heads<T>(heads, false);
-        at::Tensor k_cache = cache.k, v_cache = cache.v, k_scales = *cache.k_scales, v_scales = *cache.v_scales;
+        at::Tensor k_cache = cache_.k, v_cache = cache_.v, k_scales = *cache_.k_scales, v_scales = *cache_.v_scales;
         store.call(keys, values, k_cache, v_cache, slot_mapping, k_scales, v_scales);
-        const at::Tensor attended = attention(queries, block_tables, seq_lens, query_start_loc, cache)
+        const at::Tensor attended = attention(queries, block_tables, seq_lens, query_start_loc)
                                         .to(qkv.scalar_type());
         rotate_heads<T>(attended, true);
         return attended;

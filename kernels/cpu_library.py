@@ -6,9 +6,10 @@ cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and Meta implement
 them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes call it replaces took
 ~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps each as one call.
 cpu_decode_layer.cpp is a decoder layer's decode step as one object calling them
-(`torch.classes.qrun.DecodeLayer`, run in order by `DecodeStack`: qrun/cpu_decode.py). Built with the machine's C++ compiler (the
-names Inductor looks for) for this CPU (-march=native) against the running torch's headers, and
-cached under qrun's cache folder keyed by the sources, flags, compiler, torch and CPU: ~25 s once.
+(`torch.classes.qrun.DecodeLayer`, run in order by `DecodeStack`: qrun/cpu_decode.py). Built with the
+machine's C++ compiler (the names Inductor looks for) for this CPU (-march=native) against the running
+torch's headers, and cached under qrun's cache folder keyed by the sources, flags, compiler, torch and
+CPU: ~25 s once.
 It links the OpenMP runtime torch has loaded (same soname), so its parallel loops run on torch's
 threads rather than on a second pool fighting them for the cores. Floating point is IEEE apart from
 reassociation (vectorised sums): no -ffast-math, whose startup code would switch the whole process
