@@ -2,7 +2,8 @@
 // Built at load from a qrun.model.DecoderLayer by qrun/cpu_decode.py, which documents why and what it covers.
 // The step is the eager layer's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
 // rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
-// matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer.
+// matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer,
+// called directly (cpu_ops.h) with outputs in the stack's Workspace.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_ops.h"
 
 // Products and sums rounded where torch's ops round them (fused multiply-adds only where written): a bfloat16
 // model's greedy tokens must stay those of eager.
@@ -42,6 +44,7 @@ enum LinearKind : int64_t {
 };
 
 constexpr int64_t GEMV_ROWS = 2;  // cpu_linear.GEMV_ROWS
+constexpr int64_t MAX_HEAD_DIM = 256;  // cpu_attention.HEAD_DIMS' largest
 
 // The library's torch op `name` (cpu_ops.cpp), looked up once by each caller.
 template <typename Signature>
@@ -57,6 +60,45 @@ struct Cache {
     Optional k_scales, v_scales;
 };
 
+// The step's inputs every layer reads, converted once for the stack: positions and slots int64, the rest int32.
+struct StepMeta {
+    at::Tensor positions, slot_mapping, block_tables, seq_lens, query_start_loc;
+};
+
+// The tensors a decode step writes, kept by the stack between steps and shared by its layers, which run in turn. At
+// one row a fresh tensor for each op's output cost ~1-2 us (~20 a layer), as much as the norms' and the activation's
+// arithmetic many times over. A buffer is reallocated only when its rows or dtype change; `width` tells apart the
+// uses of one slot by linears of other shapes (a rotated input of 576 values or of 1536).
+class Workspace {
+  public:
+    enum Slot { NORMED, RESIDUAL, QKV, QUERIES, ATTENTION, ATTENDED, PROJECTED, GATE_UP, GATED, HIDDEN, ROTATED,
+                GATHERED, SUMS };
+
+    at::Tensor get(Slot slot, int64_t rows, int64_t width, at::ScalarType dtype) {
+        for (Buffer& buffer : buffers_)
+            if (buffer.slot == slot && buffer.width == width) {
+                if (buffer.tensor.size(0) != rows || buffer.tensor.scalar_type() != dtype)
+                    buffer.tensor = at::empty({rows, width}, at::TensorOptions().dtype(dtype));
+                return buffer.tensor;
+            }
+        buffers_.push_back({slot, width, at::empty({rows, width}, at::TensorOptions().dtype(dtype))});
+        return buffers_.back().tensor;
+    }
+
+  private:
+    struct Buffer {
+        Slot slot;
+        int64_t width;
+        at::Tensor tensor;
+    };
+    std::vector<Buffer> buffers_;
+};
+
+using Slot = Workspace::Slot;
+
+// x itself when its rows are contiguous already (a check, not a dispatch)
+at::Tensor contiguous(const at::Tensor& x) { return x.is_contiguous() ? x : x.contiguous(); }
+
 struct Linear {
     int64_t kind = -1;
     std::vector<at::Tensor> weights;
@@ -65,12 +107,6 @@ struct Linear {
     // QUANT: the op's kernel choice by rows and its streams at one or two (cpu_quant_matmul.py)
     int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0;
 
-    at::Tensor rotate(const at::Tensor& x) const {  // kernels/cpu_rotation.cpp
-        static const auto op = library_op<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&)>(
-            "qrun::rotate");
-        return op.call(x, *signs, odd_factor);
-    }
-
     // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, the AMX one, or oneDNN on the dequantized
     // weight, by the rows), then the bias in x's dtype, as CpuQuantMatmul.forward adds it
     at::Tensor quant_matmul(const at::Tensor& x) const {
@@ -78,7 +114,6 @@ struct Linear {
             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
             c10::SymInt, const Optional&, const Optional&, const Optional&, const Optional&, int64_t, int64_t,
             int64_t, int64_t, int64_t, int64_t)>("qrun::quant_matmul");
-        const auto high = [&](size_t i) { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; };
         const at::Tensor y = op.call(x, weights[0], weights[1], weights[2], weights[3], group,
                                      c10::SymInt(out_features), high(0), high(1), high(2), high(3), k_high,
                                      input_digits, tile_rows, tile_dequantize_rows, dequantize_rows, read_streams);
@@ -95,27 +130,49 @@ struct Linear {
         return stack[0].toTensor();
     }
 
-    at::Tensor operator()(const at::Tensor& x, bool half_gemv) const {
-        at::Tensor in = signs ? rotate(x) : x;
+    // The product of x [rows, in] (contiguous): where a kernel of the library multiplies (the VNNI kernel, the
+    // float16 GEMV), into the workspace's slot `out`; else a new tensor. The input rotation and act order's gather
+    // go to the workspace too.
+    at::Tensor operator()(const at::Tensor& x, bool half_gemv, Workspace& workspace, Slot out) const {
+        const int64_t rows = x.size(0);
+        at::Tensor in = x;
+        if (signs) {  // kernels/cpu_rotation.cpp
+            at::Tensor rotated = workspace.get(Workspace::ROTATED, rows, in.size(1), in.scalar_type());
+            qrun_ops::rotate_into(in, *signs, odd_factor, false, rotated);
+            in = rotated;
+        }
         if (perm) {  // kernels/cpu_quant_matmul.py's gather_columns
-            static const auto gather = library_op<at::Tensor(const at::Tensor&, const at::Tensor&)>(
-                "qrun::gather_columns");
-            in = gather.call(in.contiguous(), *perm);
+            at::Tensor gathered = workspace.get(Workspace::GATHERED, rows, perm->numel(), in.scalar_type());
+            qrun_ops::gather_columns_into(in, *perm, gathered);
+            in = gathered;
         }
         switch (kind) {
-            case QUANT:
-                return quant_matmul(in.contiguous());
+            case QUANT: {
+                if (!qrun_ops::quant_matmul_on_vnni(in, tile_rows, dequantize_rows)) return quant_matmul(in);
+                at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
+                at::Tensor sums = weights.size() > 4 && in.scalar_type() == at::kBFloat16
+                                      ? workspace.get(Workspace::SUMS, rows, out_features, at::kFloat)
+                                      : y;
+                qrun_ops::quant_matmul_vnni_into(in, weights[0], weights[1], weights[2], weights[3], group, high(0),
+                                                 high(1), high(2), high(3), k_high, input_digits, read_streams, y,
+                                                 sums);
+                return bias ? y.add_(bias->to(y.scalar_type())) : y;  // as CpuQuantMatmul.forward adds it
+            }
             case DENSE:
                 return at::linear(in, weights[0], bias);
             default:
-                if (half_gemv && in.size(0) <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
-                    static const auto op = library_op<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                                 const Optional&)>("qrun::half_gemv");
-                    return op.call(in.contiguous(), weights[0], weights.size() > 2 ? Optional(weights[2]) : std::nullopt);
+                if (half_gemv && rows <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
+                    at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
+                    qrun_ops::half_gemv_into(in, weights[0], weights.size() > 2 ? Optional(weights[2]) : std::nullopt,
+                                             y);
+                    return y;
                 }
                 return kind == HALF_GEMV_PACKED ? onednn(in) : at::linear(in, weights[1], bias);
         }
     }
+
+  private:
+    Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
 };
 
 // Rotary position embedding (Hugging Face's half-split layout) of one head, rounded to T.
@@ -151,15 +208,13 @@ class DecodeLayer : public torch::CustomClassHolder {
                                 tile_dequantize_rows, dequantize_rows, read_streams};
     }
 
+    // (x, residual) after the layer; both may be the workspace's, which the next layer's step overwrites.
     std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual,
-                                               const at::Tensor& positions, const at::Tensor& cos_sin,
-                                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                               bool half_gemv) const {
+                                               const at::Tensor& cos_sin, const StepMeta& meta, bool half_gemv,
+                                               Workspace& workspace) const {
         std::tuple<at::Tensor, at::Tensor> result;
         AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer", [&] {
-            result = step<scalar_t>(x, residual, positions, cos_sin, slot_mapping, block_tables, seq_lens,
-                                    query_start_loc, half_gemv);
+            result = step<scalar_t>(x, residual, cos_sin, meta, half_gemv, workspace);
         });
         return result;
     }
@@ -194,48 +249,55 @@ class DecodeLayer : public torch::CustomClassHolder {
   private:
     template <typename T>
     std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& x_in, const at::Tensor& residual_in,
-                                            const at::Tensor& positions, const at::Tensor& cos_sin,
-                                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                            bool half_gemv) const {
-        const at::Tensor x = x_in.contiguous();
-        const int64_t rows = x.size(0), dim = head_dim_;
-        auto [normed, residual] = add_rms_norm(x, residual_in.contiguous(), input_norm_);
+                                            const at::Tensor& cos_sin, const StepMeta& meta, bool half_gemv,
+                                            Workspace& workspace) const {
+        const at::Tensor x = contiguous(x_in);
+        const int64_t rows = x.size(0), hidden = x.size(1);
+        at::Tensor normed = workspace.get(Workspace::NORMED, rows, hidden, x.scalar_type());
+        at::Tensor residual = workspace.get(Workspace::RESIDUAL, rows, hidden, x.scalar_type());  // may be residual_in
+        qrun_ops::add_rms_norm_into(x, contiguous(residual_in), input_norm_, eps_, normed, residual);
 
-        const at::Tensor qkv = linears_[0](normed, half_gemv).contiguous();
-        const at::Tensor attended = cache_.k_scales ? quantized_attention<T>(qkv, positions, cos_sin, slot_mapping,
-                                                                             block_tables, seq_lens, query_start_loc)
-                                                    : float_attention<T>(qkv, positions, cos_sin, slot_mapping,
-                                                                         block_tables, seq_lens, query_start_loc);
-        const at::Tensor projected = linears_[1](attended.view({rows, num_heads_ * dim}), half_gemv).contiguous();
-        std::tie(normed, residual) = add_rms_norm(projected, residual, post_attention_norm_);
+        const at::Tensor qkv = contiguous(linears_[0](normed, half_gemv, workspace, Workspace::QKV));
+        const at::Tensor attended = cache_.k_scales ? quantized_attention<T>(qkv, cos_sin, meta, workspace)
+                                                    : float_attention<T>(qkv, cos_sin, meta, workspace);
+        const at::Tensor projected = contiguous(linears_[1](attended, half_gemv, workspace, Workspace::PROJECTED));
+        qrun_ops::add_rms_norm_into(projected, residual, post_attention_norm_, eps_, normed, residual);
 
-        const at::Tensor gate_up = linears_[2](normed, half_gemv).contiguous();
+        const at::Tensor gate_up = contiguous(linears_[2](normed, half_gemv, workspace, Workspace::GATE_UP));
         const int64_t inner = gate_up.size(1) / 2;  // kernels/cpu_activation.cpp
-        const at::Tensor gated = at::empty({rows, inner}, gate_up.options());
+        const at::Tensor gated = workspace.get(Workspace::GATED, rows, inner, x.scalar_type());
         qrun_silu_and_mul(std::is_same_v<T, float> ? QRUN_F32 : QRUN_BF16, gate_up.data_ptr(),
                           static_cast<const T*>(gate_up.data_ptr()) + inner, gate_up.size(1), gated.data_ptr(), rows,
                           inner, at::get_num_threads());
-        return {linears_[3](gated, half_gemv), residual};
+        return {linears_[3](gated, half_gemv, workspace, Workspace::HIDDEN), residual};
     }
 
-    at::Tensor attention(const at::Tensor& queries, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc) const {  // kernels/cpu_attention.cpp
-        static const auto op = library_op<at::Tensor(
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const at::Tensor&, double, const Optional&, const Optional&)>("qrun::decode_attention");
-        return op.call(queries, cache_.k, cache_.v, block_tables, seq_lens, query_start_loc, scale_, cache_.k_scales,
-                       cache_.v_scales);
+    // float32 [rows, heads * head_dim] queries' attention over the cache (kernels/cpu_attention.cpp), float32.
+    at::Tensor attention(const at::Tensor& queries, const StepMeta& meta, Workspace& workspace) const {
+        at::Tensor out = workspace.get(Workspace::ATTENTION, queries.size(0), num_heads_ * head_dim_, at::kFloat);
+        qrun_ops::decode_attention_into(queries, num_heads_, head_dim_, cache_.k, cache_.v, meta.block_tables,
+                                        meta.seq_lens, meta.query_start_loc, scale_, cache_.k_scales,
+                                        cache_.v_scales, out);
+        return out;
+    }
+
+    // The attention's float32 output in T, as the eager layer's `.to` rounds it.
+    template <typename T>
+    at::Tensor in_model_dtype(const at::Tensor& attended, Workspace& workspace) const {
+        if constexpr (std::is_same_v<T, float>) return attended;
+        if constexpr (!std::is_same_v<T, c10::BFloat16>) return attended.to(c10::CppTypeToScalarType<T>::value);
+        at::Tensor out = workspace.get(Workspace::ATTENDED, attended.size(0), attended.size(1), at::kBFloat16);
+        qrun_ops::to_bfloat16_into(attended, out);
+        return out;
     }
 
     // A float cache: rotary and the cache write in one loop, the attention over it; its output in T.
     template <typename T>
-    at::Tensor float_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
-                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
-        at::Tensor queries = at::empty({qkv.size(0), num_heads_, head_dim_}, qkv.options().dtype(at::kFloat));
-        write_keys_values<T>(qkv, positions, cos_sin, slot_mapping, cache_.k, cache_.v, queries);
-        return attention(queries, block_tables, seq_lens, query_start_loc).to(qkv.scalar_type());
+    at::Tensor float_attention(const at::Tensor& qkv, const at::Tensor& cos_sin, const StepMeta& meta,
+                               Workspace& workspace) const {
+        at::Tensor queries = workspace.get(Workspace::QUERIES, qkv.size(0), num_heads_ * head_dim_, at::kFloat);
+        write_keys_values<T>(qkv, meta.positions, cos_sin, meta.slot_mapping, cache_.k, cache_.v, queries);
+        return in_model_dtype<T>(attention(queries, meta, workspace), workspace);
     }
 
     // A quantized cache: the eager layer's ops in its order (qrun/model.py's Attention.heads), so the same bytes
@@ -243,9 +305,8 @@ class DecodeLayer : public torch::CustomClassHolder {
     // ops round), the rotation, the quantizing store (kernels/cpu_kv_store.cpp), the attention over the quantized
     // cache, its output rotated back.
     template <typename T>
-    at::Tensor quantized_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
-                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
+    at::Tensor quantized_attention(const at::Tensor& qkv, const at::Tensor& cos_sin, const StepMeta& meta,
+                                   Workspace& workspace) const {
         static const auto store = library_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                                   const at::Tensor&, at::Tensor&, at::Tensor&)>(
             "qrun::store_kv_quantized");
@@ -256,7 +317,7 @@ class DecodeLayer : public torch::CustomClassHolder {
                                       .contiguous().view({rows, num_kv_heads_, dim});
         const bool calibrated = key_mean_.has_value();
         rotated_heads<T>(
-            qkv, positions, cos_sin,
+            qkv, meta.positions, cos_sin,
             [&](int64_t r, int64_t h, const T* q) {
                 T* out = queries.data_ptr<T>() + (r * num_heads_ + h) * dim;
                 const T* balance = calibrated ? query_balance_->data_ptr<T>() + h * dim : nullptr;
@@ -277,8 +338,8 @@ class DecodeLayer : public torch::CustomClassHolder {
                              at::get_num_threads());
         for (const at::Tensor& heads : {queries, keys, values}) rotate_heads<T>(heads, false);
         at::Tensor k_cache = cache_.k, v_cache = cache_.v, k_scales = *cache_.k_scales, v_scales = *cache_.v_scales;
-        store.call(keys, values, k_cache, v_cache, slot_mapping, k_scales, v_scales);
-        const at::Tensor attended = attention(queries, block_tables, seq_lens, query_start_loc)
+        store.call(keys, values, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales);
+        const at::Tensor attended = attention(queries.view({rows, -1}).to(at::kFloat), meta, workspace)
                                         .to(qkv.scalar_type());
         rotate_heads<T>(attended, true);
         return attended;
@@ -312,16 +373,18 @@ class DecodeLayer : public torch::CustomClassHolder {
                        Key key) const {
         const int64_t dim = head_dim_, width = qkv.size(1);
         const int64_t* pos = positions.data_ptr<int64_t>();
-        std::vector<T> rotated(dim);
+        const T* rows = qkv.data_ptr<T>();
+        const float* table = cos_sin.data_ptr<float>();
+        T rotated[MAX_HEAD_DIM];
         for (int64_t r = 0; r < qkv.size(0); r++) {
-            const T* row = qkv.data_ptr<T>() + r * width;
-            const float* cos = cos_sin.data_ptr<float>() + pos[r] * dim;
+            const T* row = rows + r * width;
+            const float* cos = table + pos[r] * dim;
             for (int64_t h = 0; h < num_heads_ + num_kv_heads_; h++) {
-                rotary(row + h * dim, cos, cos + dim / 2, dim, rotated.data());
+                rotary(row + h * dim, cos, cos + dim / 2, dim, rotated);
                 if (h < num_heads_)
-                    query(r, h, rotated.data());
+                    query(r, h, rotated);
                 else
-                    key(r, h - num_heads_, rotated.data());
+                    key(r, h - num_heads_, rotated);
             }
         }
     }
@@ -333,18 +396,20 @@ class DecodeLayer : public torch::CustomClassHolder {
                            at::Tensor& queries) const {
         const int64_t dim = head_dim_, width = qkv.size(1);
         const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+        const T* rows = qkv.data_ptr<T>();
+        float* query_rows = queries.data_ptr<float>();
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_cache", [&] {
             scalar_t* k_out = k_cache.data_ptr<scalar_t>();
             scalar_t* v_out = v_cache.data_ptr<scalar_t>();
             rotated_heads<T>(
                 qkv, positions, cos_sin,
                 [&](int64_t r, int64_t h, const T* q) {
-                    float* out = queries.data_ptr<float>() + (r * num_heads_ + h) * dim;
+                    float* out = query_rows + (r * num_heads_ + h) * dim;
                     for (int64_t d = 0; d < dim; d++) out[d] = float(q[d]);
                 },
                 [&](int64_t r, int64_t h, const T* k) {
                     const int64_t at = (slots[r] * num_kv_heads_ + h) * dim;
-                    const T* v = qkv.data_ptr<T>() + r * width + (num_heads_ + num_kv_heads_ + h) * dim;
+                    const T* v = rows + r * width + (num_heads_ + num_kv_heads_ + h) * dim;
                     for (int64_t d = 0; d < dim; d++) {
                         k_out[at + d] = scalar_t(float(k[d]));
                         v_out[at + d] = scalar_t(float(v[d]));
@@ -364,27 +429,31 @@ class DecodeLayer : public torch::CustomClassHolder {
 };
 
 // Every decoder layer's decode step, in order, in one call: a call from Python costs ~25 us, 30 of them ~10% of a
-// 4.0-bpw SmolLM2 step at batch 1.
+// 4.0-bpw SmolLM2 step at batch 1. It keeps the layers' workspace, so one stack runs one step at a time (an engine's).
 class DecodeStack : public torch::CustomClassHolder {
   public:
     explicit DecodeStack(at::Tensor cos_sin) : cos_sin_(std::move(cos_sin)) {}
 
     void add_layer(c10::intrusive_ptr<DecodeLayer> layer) { layers_.push_back(std::move(layer)); }
 
-    // (x, residual) after the last layer; the cos/sin table is the model's (qrun/model.py's Transformer.cos_sin).
+    // (x, residual) after the last layer, new tensors; the cos/sin table is the model's (qrun/model.py's
+    // Transformer.cos_sin).
     std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor residual, const at::Tensor& positions,
                                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                               bool half_gemv) const {
+                                               bool half_gemv) {
+        const StepMeta meta{positions.to(at::kLong).contiguous(), slot_mapping.to(at::kLong).contiguous(),
+                            block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
+                            query_start_loc.to(at::kInt).contiguous()};
         for (const auto& layer : layers_)
-            std::tie(x, residual) = layer->forward(x, residual, positions, cos_sin_, slot_mapping, block_tables,
-                                                   seq_lens, query_start_loc, half_gemv);
-        return {x, residual};
+            std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
+        return {x.clone(), residual.clone()};
     }
 
   private:
     at::Tensor cos_sin_;
     std::vector<c10::intrusive_ptr<DecodeLayer>> layers_;
+    Workspace workspace_;
 };
 
 }  // namespace

@@ -41,7 +41,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_activation.cpp", "cpu_attention.cpp", "cpu_half_gemv.cpp", "cpu_int4.cpp",
                              "cpu_kv_store.cpp", "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp",
                              "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_ops.cpp", "cpu_decode_layer.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_ops.h"))
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fopenmp", "-std=c++20", "-shared", "-fPIC",
           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -38,21 +39,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scales,
                             const std::optional<at::Tensor>& v_scales) {
+    TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [tokens, heads, head_dim], got ", q.sizes());
     const at::Tensor queries = q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty_like(queries);
-    const at::Tensor tables = block_tables.to(at::kInt).contiguous();
-    const at::Tensor lens = seq_lens.to(at::kInt).contiguous(), starts = query_start_loc.to(at::kInt).contiguous();
-    const int64_t block_size = k_cache.size(1), dim = q.size(-1);
-    const int64_t group = k_scales.has_value() ? dim / k_scales->size(-2) : dim;
-    int64_t block_shift = 0;
-    while ((int64_t(1) << block_shift) < block_size) block_shift++;
-    const int status = qrun_decode_attention(
-        kv_kind(k_cache, k_scales.has_value()), queries.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr(),
-        v_cache.data_ptr(), pointer(k_scales), pointer(v_scales), tables.data_ptr<int32_t>(), tables.size(1),
-        lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), tables.size(0), q.size(1), k_cache.size(2), dim,
-        block_shift, group, float(scale), at::get_num_threads());
-    TORCH_CHECK(status == 0, "qrun_decode_attention rejected a ", k_cache.scalar_type(), " cache of head_dim ", dim,
-                " (status ", status, ")");
+    at::Tensor flat = out.view({q.size(0), -1});
+    qrun_ops::decode_attention_into(queries.view({q.size(0), -1}), q.size(1), q.size(2), k_cache, v_cache,
+                                    block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
+                                    query_start_loc.to(at::kInt).contiguous(), scale, k_scales, v_scales, flat);
     return out;
 }
 
@@ -80,11 +73,7 @@ void dequantize_int4pack_shape(const at::Tensor&, const at::Tensor&, int64_t, at
 // 49152 logits a row).
 at::Tensor to_bfloat16(const at::Tensor& values) {
     at::Tensor out = at::empty(values.sizes(), values.options().dtype(at::kBFloat16));
-    const float* in = values.data_ptr<float>();
-    uint16_t* bits = static_cast<uint16_t*>(out.data_ptr());
-    at::parallel_for(0, values.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) bits[i] = qrun_bfloat16_bits(in[i]);
-    });
+    qrun_ops::to_bfloat16_into(values, out);
     return out;
 }
 
@@ -176,28 +165,22 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
                         int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t tile_dequantize_rows,
                         int64_t dequantize_rows, int64_t read_streams) {
-    const bool bfloat16 = x.scalar_type() == at::kBFloat16;
-    if (bfloat16 && dequantize_rows > 0 && x.size(0) >= dequantize_rows)
-        return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
-                                               high_scales, high_zeros, high_centers, k_high));
-    if (bfloat16 && tile_rows > 0 && x.size(0) >= tile_rows) {
+    if (!qrun_ops::quant_matmul_on_vnni(x, tile_rows, dequantize_rows)) {  // bfloat16 rows, many
+        if (dequantize_rows > 0 && x.size(0) >= dequantize_rows)
+            return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
+                                                   high_scales, high_zeros, high_centers, k_high));
         const at::Tensor y = quant_matmul_tiles(x.contiguous(), codes, scales, zeros, centers, group, out_features,
                                                 high_codes, high_scales, high_zeros, high_centers, k_high,
                                                 tile_dequantize_rows > 0 && x.size(0) >= tile_dequantize_rows);
         return y.scalar_type() == at::kBFloat16 ? y : to_bfloat16(y);
     }
+    const bool bfloat16 = x.scalar_type() == at::kBFloat16;
     const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
-    // one plane's bfloat16 product rounds as it is stored; a second plane adds to float32 sums first
-    const bool direct = bfloat16 && !high_codes.has_value();
-    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options().dtype(direct ? at::kBFloat16 : at::kFloat));
-    quant_matmul_plane(rows, codes, scales, zeros, centers, group, rows.size(1), input_digits, read_streams, y,
-                       false);
-    if (direct) return y;
-    if (high_codes.has_value())
-        quant_matmul_plane(rows, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits,
-                           read_streams, y, true);
-    if (x.scalar_type() == at::kFloat) return y;
-    return bfloat16 ? to_bfloat16(y) : y.to(x.scalar_type());
+    at::Tensor y = at::empty({rows.size(0), out_features}, rows.options());
+    at::Tensor sums = bfloat16 && high_codes.has_value() ? at::empty(y.sizes(), y.options().dtype(at::kFloat)) : y;
+    qrun_ops::quant_matmul_vnni_into(rows, codes, scales, zeros, centers, group, high_codes, high_scales, high_zeros,
+                                     high_centers, k_high, input_digits, read_streams, y, sums);
+    return rows.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 at::Tensor quant_matmul_shape(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -228,22 +211,8 @@ void gather_rows(const Element* x, int64_t ldx, const int64_t* index, int64_t co
 }
 
 at::Tensor gather_columns(const at::Tensor& x, const at::Tensor& index) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.element_size() == 2 || x.element_size() == 4),
-                "gather_columns: x must be [rows, k] of 2- or 4-byte values with contiguous rows, got ",
-                x.scalar_type(), " ", x.sizes(), " strides ", x.strides());
-    TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong && index.is_contiguous(),
-                "gather_columns: index must be a contiguous int64 vector");
-    const int64_t* columns = index.data_ptr<int64_t>();
-    const auto [lowest, highest] = std::minmax_element(columns, columns + index.numel());
-    TORCH_CHECK(index.numel() == 0 || (*lowest >= 0 && *highest < x.size(1)), "gather_columns: index values from ",
-                *lowest, " to ", *highest, " are not columns of a [", x.size(0), ", ", x.size(1), "] x");
     at::Tensor out = at::empty({x.size(0), index.numel()}, x.options());
-    if (x.element_size() == 2)
-        gather_rows(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), columns, index.numel(),
-                    static_cast<uint16_t*>(out.data_ptr()), x.size(0));
-    else
-        gather_rows(static_cast<const uint32_t*>(x.data_ptr()), x.stride(0), columns, index.numel(),
-                    static_cast<uint32_t*>(out.data_ptr()), x.size(0));
+    qrun_ops::gather_columns_into(x, index, out);
     return out;
 }
 
@@ -254,22 +223,8 @@ at::Tensor gather_columns_shape(const at::Tensor& x, const at::Tensor& index) {
 // odd_factor: rotation.py's factor for K's odd part, or None where K is a power of two. inverse: unrotate.
 at::Tensor rotate_or_unrotate(const at::Tensor& x, const at::Tensor& signs, const std::optional<at::Tensor>& odd_factor,
                               bool inverse) {
-    const char* name = inverse ? "unrotate" : "rotate";
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-                name, ": x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
-                x.sizes());
-    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.is_contiguous() && signs.numel() == x.size(1),
-                name, ": signs must be float32 [", x.size(1), "]");
-    TORCH_CHECK(!odd_factor || (odd_factor->scalar_type() == at::kFloat && odd_factor->is_contiguous() &&
-                                odd_factor->dim() == 2 && odd_factor->size(0) == odd_factor->size(1)),
-                name, ": odd_factor must be a square contiguous float32 matrix");
-    const int64_t odd = odd_factor ? odd_factor->size(0) : 1;
     at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-    const int status = qrun_rotate(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
-                                   x.scalar_type() == at::kFloat ? 0 : 1, signs.data_ptr<float>(),
-                                   odd_factor ? odd_factor->data_ptr<float>() : nullptr, odd, x.size(0), x.size(1),
-                                   inverse, at::get_num_threads());
-    TORCH_CHECK(status == 0, name, ": ", x.size(1), " inputs are not ", odd, " times a power of two");
+    qrun_ops::rotate_into(x, signs, odd_factor, inverse, out);
     return out;
 }
 
@@ -300,20 +255,8 @@ at::Tensor reflect(const at::Tensor& x, const at::Tensor& u) {
 }
 
 at::Tensor half_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-                "half_gemv: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
-                x.sizes());
-    TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.is_contiguous() && weight.dim() == 2 &&
-                    weight.size(1) == x.size(1),
-                "half_gemv: weight must be a contiguous float16 [n, ", x.size(1), "] matrix");
-    TORCH_CHECK(!bias || (bias->scalar_type() == at::kHalf && bias->is_contiguous() && bias->numel() == weight.size(0)),
-                "half_gemv: bias must be float16 [", weight.size(0), "]");
     at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-    const int status = qrun_half_gemv(x.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, x.stride(0),
-                                      static_cast<const uint16_t*>(weight.data_ptr()),
-                                      bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr, y.data_ptr(),
-                                      y.stride(0), x.size(0), weight.size(0), x.size(1), at::get_num_threads());
-    TORCH_CHECK(status == 0, "half_gemv: ", x.size(0), " rows; it multiplies 1 to 4");
+    qrun_ops::half_gemv_into(x, weight, bias, y);
     return y;
 }
 
@@ -349,22 +292,8 @@ void store_kv_quantized_shape(const at::Tensor&, const at::Tensor&, at::Tensor&,
 // One implementation for both ops; residual may be undefined (no add, no sum).
 std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                              double eps) {
-    const bool floats = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(floats && x.is_contiguous() && x.dim() >= 1, "rms_norm: x must be contiguous float32 or bfloat16, got ",
-                x.scalar_type(), " ", x.sizes());
-    const int64_t hidden = x.size(-1);
-    TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == hidden,
-                "rms_norm: weight must be ", x.scalar_type(), " [", hidden, "], got ", weight.scalar_type(), " ",
-                weight.sizes());
-    TORCH_CHECK(!residual.defined() || (residual.scalar_type() == x.scalar_type() && residual.is_contiguous() &&
-                                        residual.sizes() == x.sizes()),
-                "rms_norm: residual must be contiguous ", x.scalar_type(), " ", x.sizes());
     at::Tensor out = at::empty_like(x), sum = residual.defined() ? at::empty_like(x) : at::Tensor();
-    const int status = qrun_rms_norm(x.scalar_type() == at::kFloat ? 0 : 1, x.data_ptr(),
-                                     residual.defined() ? residual.data_ptr() : nullptr, weight.data_ptr(),
-                                     out.data_ptr(), residual.defined() ? sum.data_ptr() : nullptr,
-                                     hidden ? x.numel() / hidden : 0, hidden, float(eps), at::get_num_threads());
-    TORCH_CHECK(status == 0, "rms_norm: no kernel for ", x.scalar_type());
+    qrun_ops::add_rms_norm_into(x, residual, weight, eps, out, sum);
     return {out, sum};
 }
 
@@ -443,6 +372,159 @@ at::Tensor silu_and_mul_shape(const at::Tensor& gate, const at::Tensor&) {
 }
 
 }  // namespace
+
+namespace qrun_ops {
+
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out, at::Tensor& sum) {
+    const bool floats = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(floats && x.is_contiguous() && x.dim() >= 1, "rms_norm: x must be contiguous float32 or bfloat16, got ",
+                x.scalar_type(), " ", x.sizes());
+    const int64_t hidden = x.size(-1);
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == hidden,
+                "rms_norm: weight must be ", x.scalar_type(), " [", hidden, "], got ", weight.scalar_type(), " ",
+                weight.sizes());
+    TORCH_CHECK(!residual.defined() || (residual.scalar_type() == x.scalar_type() && residual.is_contiguous() &&
+                                        residual.sizes() == x.sizes()),
+                "rms_norm: residual must be contiguous ", x.scalar_type(), " ", x.sizes());
+    const auto written = [&](const at::Tensor& t) {
+        return t.scalar_type() == x.scalar_type() && t.is_contiguous() && t.sizes() == x.sizes();
+    };
+    TORCH_CHECK(written(out) && (!residual.defined() || written(sum)), "rms_norm: out (and sum with a residual) "
+                "must be contiguous ", x.scalar_type(), " ", x.sizes());
+    const int status = qrun_rms_norm(x.scalar_type() == at::kFloat ? 0 : 1, x.data_ptr(),
+                                     residual.defined() ? residual.data_ptr() : nullptr, weight.data_ptr(),
+                                     out.data_ptr(), residual.defined() ? sum.data_ptr() : nullptr,
+                                     hidden ? x.numel() / hidden : 0, hidden, float(eps), at::get_num_threads());
+    TORCH_CHECK(status == 0, "rms_norm: no kernel for ", x.scalar_type());
+}
+
+void rotate_into(const at::Tensor& x, const at::Tensor& signs, const Optional& odd_factor, bool inverse,
+                 at::Tensor& out) {
+    const char* name = inverse ? "unrotate" : "rotate";
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                name, ": x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
+                x.sizes());
+    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.is_contiguous() && signs.numel() == x.size(1),
+                name, ": signs must be float32 [", x.size(1), "]");
+    TORCH_CHECK(!odd_factor || (odd_factor->scalar_type() == at::kFloat && odd_factor->is_contiguous() &&
+                                odd_factor->dim() == 2 && odd_factor->size(0) == odd_factor->size(1)),
+                name, ": odd_factor must be a square contiguous float32 matrix");
+    const int64_t odd = odd_factor ? odd_factor->size(0) : 1;
+    TORCH_CHECK(out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes(), name,
+                ": out must be contiguous ", x.scalar_type(), " ", x.sizes());
+    const int status = qrun_rotate(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                   x.scalar_type() == at::kFloat ? 0 : 1, signs.data_ptr<float>(),
+                                   odd_factor ? odd_factor->data_ptr<float>() : nullptr, odd, x.size(0), x.size(1),
+                                   inverse, at::get_num_threads());
+    TORCH_CHECK(status == 0, name, ": ", x.size(1), " inputs are not ", odd, " times a power of two");
+}
+
+void gather_columns_into(const at::Tensor& x, const at::Tensor& index, at::Tensor& out) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.element_size() == 2 || x.element_size() == 4),
+                "gather_columns: x must be [rows, k] of 2- or 4-byte values with contiguous rows, got ",
+                x.scalar_type(), " ", x.sizes(), " strides ", x.strides());
+    TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong && index.is_contiguous(),
+                "gather_columns: index must be a contiguous int64 vector");
+    const int64_t* columns = index.data_ptr<int64_t>();
+    const auto [lowest, highest] = std::minmax_element(columns, columns + index.numel());
+    TORCH_CHECK(index.numel() == 0 || (*lowest >= 0 && *highest < x.size(1)), "gather_columns: index values from ",
+                *lowest, " to ", *highest, " are not columns of a [", x.size(0), ", ", x.size(1), "] x");
+    TORCH_CHECK(out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                    out.size(0) == x.size(0) && out.size(1) == index.numel(),
+                "gather_columns: out must be contiguous ", x.scalar_type(), " [", x.size(0), ", ", index.numel(), "]");
+    if (x.element_size() == 2)
+        gather_rows(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), columns, index.numel(),
+                    static_cast<uint16_t*>(out.data_ptr()), x.size(0));
+    else
+        gather_rows(static_cast<const uint32_t*>(x.data_ptr()), x.stride(0), columns, index.numel(),
+                    static_cast<uint32_t*>(out.data_ptr()), x.size(0));
+}
+
+void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optional& bias, at::Tensor& y) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "half_gemv: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
+                x.sizes());
+    TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.is_contiguous() && weight.dim() == 2 &&
+                    weight.size(1) == x.size(1),
+                "half_gemv: weight must be a contiguous float16 [n, ", x.size(1), "] matrix");
+    TORCH_CHECK(!bias || (bias->scalar_type() == at::kHalf && bias->is_contiguous() && bias->numel() == weight.size(0)),
+                "half_gemv: bias must be float16 [", weight.size(0), "]");
+    TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) &&
+                    y.size(1) == weight.size(0),
+                "half_gemv: y must be ", x.scalar_type(), " [", x.size(0), ", ", weight.size(0), "] with contiguous rows");
+    const int status = qrun_half_gemv(x.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, x.stride(0),
+                                      static_cast<const uint16_t*>(weight.data_ptr()),
+                                      bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr, y.data_ptr(),
+                                      y.stride(0), x.size(0), weight.size(0), x.size(1), at::get_num_threads());
+    TORCH_CHECK(status == 0, "half_gemv: ", x.size(0), " rows; it multiplies 1 to 4");
+}
+
+bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequantize_rows) {
+    const int64_t rows = x.size(0);
+    return x.scalar_type() != at::kBFloat16 ||
+           ((dequantize_rows <= 0 || rows < dequantize_rows) && (tile_rows <= 0 || rows < tile_rows));
+}
+
+void quant_matmul_vnni_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& zeros, const at::Tensor& centers, int64_t group,
+                            const Optional& high_codes, const Optional& high_scales, const Optional& high_zeros,
+                            const Optional& high_centers, int64_t k_high, int64_t input_digits, int64_t read_streams,
+                            at::Tensor& y, at::Tensor& sums) {
+    const bool bfloat16 = x.scalar_type() == at::kBFloat16, two_planes = high_codes.has_value();
+    TORCH_CHECK((bfloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && y.dim() == 2 &&
+                    y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
+                "quant_matmul: x must be contiguous float32 or bfloat16 [rows, k] and y of its dtype [rows, n], got ",
+                x.scalar_type(), " ", x.sizes(), " and ", y.scalar_type(), " ", y.sizes());
+    TORCH_CHECK(!bfloat16 || !two_planes ||
+                    (sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.sizes() == y.sizes()),
+                "quant_matmul: sums must be contiguous float32 ", y.sizes());
+    at::Tensor& first = bfloat16 && two_planes ? sums : y;
+    quant_matmul_plane(x, codes, scales, zeros, centers, group, x.size(1), input_digits, read_streams, first, false);
+    if (!two_planes) return;
+    quant_matmul_plane(x, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits,
+                       read_streams, first, true);
+    if (bfloat16) to_bfloat16_into(sums, y);
+}
+
+void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {
+    TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
+                    out.is_contiguous() && out.numel() == values.numel(),
+                "to_bfloat16: contiguous float32 values into as many contiguous bfloat16 ones, got ",
+                values.scalar_type(), " ", values.sizes(), " and ", out.scalar_type(), " ", out.sizes());
+    const float* in = values.data_ptr<float>();
+    uint16_t* bits = static_cast<uint16_t*>(out.data_ptr());
+    at::parallel_for(0, values.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) bits[i] = qrun_bfloat16_bits(in[i]);
+    });
+}
+
+void decode_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, const Optional& k_scales,
+                           const Optional& v_scales, at::Tensor& out) {
+    const auto shaped = [&](const at::Tensor& t) {
+        return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == heads * dim;
+    };
+    TORCH_CHECK(shaped(queries) && shaped(out) && out.size(0) == queries.size(0),
+                "decode_attention: queries and out must be contiguous float32 [tokens, ", heads, " * ", dim, "]");
+    const auto indices = [](const at::Tensor& t) { return t.scalar_type() == at::kInt && t.is_contiguous(); };
+    TORCH_CHECK(indices(block_tables) && indices(seq_lens) && indices(query_start_loc),
+                "decode_attention: block_tables, seq_lens and query_start_loc must be contiguous int32");
+    const int64_t block_size = k_cache.size(1);
+    const int64_t group = k_scales.has_value() ? dim / k_scales->size(-2) : dim;
+    int64_t block_shift = 0;
+    while ((int64_t(1) << block_shift) < block_size) block_shift++;
+    const int status = qrun_decode_attention(
+        kv_kind(k_cache, k_scales.has_value()), queries.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr(),
+        v_cache.data_ptr(), pointer(k_scales), pointer(v_scales), block_tables.data_ptr<int32_t>(),
+        block_tables.size(1), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+        block_tables.size(0), heads, k_cache.size(2), dim, block_shift, group, float(scale), at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_decode_attention rejected a ", k_cache.scalar_type(), " cache of head_dim ", dim,
+                " (status ", status, ")");
+}
+
+}  // namespace qrun_ops
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "

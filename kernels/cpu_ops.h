@@ -1,0 +1,53 @@
+// cpu_ops.cpp's ops with their outputs given by the caller: the torch ops allocate them and call these; the C++
+// decode layer (cpu_decode_layer.cpp) passes tensors it keeps between steps, so a decode step at one row makes no
+// allocation of its own. Each checks its arguments as the op does.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace qrun_ops {
+
+using Optional = std::optional<at::Tensor>;
+
+// out = RMSNorm(x (+ residual)) * weight and, with a residual, sum = x + residual (sum may be residual itself);
+// all of x's dtype (float32 or bfloat16) and shape, contiguous.
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out, at::Tensor& sum);
+
+// out [rows, k] (contiguous, x's dtype) = x rotated (inverse: rotated back); kernels/cpu_rotation.py.
+void rotate_into(const at::Tensor& x, const at::Tensor& signs, const Optional& odd_factor, bool inverse,
+                 at::Tensor& out);
+
+// out [rows, index.numel()] (contiguous, x's dtype) = x[:, index]: act order's input gather.
+void gather_columns_into(const at::Tensor& x, const at::Tensor& index, at::Tensor& out);
+
+// y [rows, n] (contiguous, x's dtype) = x W^T (+ bias) with a float16 W, 1 to 4 rows: kernels/cpu_half_gemv.cpp.
+void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optional& bias, at::Tensor& y);
+
+// Whether quant_matmul multiplies x's rows on the VNNI kernel (not AMX tiles or oneDNN; see its thresholds).
+bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequantize_rows);
+
+// The VNNI kernel's y = x W^T (+ x[:, :k_high] W_high^T) for float32 or bfloat16 x (contiguous) into y of x's dtype:
+// one plane's bfloat16 product rounds as it is stored; with a second plane both add into float32 `sums` ([rows, n];
+// y itself for float32 x) and a bfloat16 y is their rounding.
+void quant_matmul_vnni_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& zeros, const at::Tensor& centers, int64_t group,
+                            const Optional& high_codes, const Optional& high_scales, const Optional& high_zeros,
+                            const Optional& high_centers, int64_t k_high, int64_t input_digits, int64_t read_streams,
+                            at::Tensor& y, at::Tensor& sums);
+
+// out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
+void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);
+
+// out [tokens, heads * dim] float32 = every decode row's attention over the paged cache: queries float32 [tokens,
+// heads * dim] contiguous; block_tables, seq_lens and query_start_loc int32 and contiguous (kernels/cpu_attention.py).
+void decode_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, const Optional& k_scales,
+                           const Optional& v_scales, at::Tensor& out);
+
+}  // namespace qrun_ops
