@@ -6,21 +6,25 @@ the CPU the C++ kernels where an op has one (paged attention's decode rows:
 `kernels/cpu_attention.py`; the rotation and its inverse: `kernels/cpu_rotation.py`; RMSNorm:
 `kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the MLP's SiLU-gated activation:
 `kernels/cpu_activation.py`; the quantized cache store:
-`kernels/cpu_kv_store.py`; built at first use by `kernels/cpu_library.py`) and the torch
+`kernels/cpu_kv_store.py`; greedy sampling's argmax: `kernels/cpu_argmax.py`; built at first use by `kernels/cpu_library.py`) and the torch
 references for the rest, or the references alone where no C++ compiler builds them. Every
 implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
-call them without knowing which they got.
+call them without knowing which they got (resolved once per backend: a later lookup is a
+dictionary's).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
 import torch
 
-from qrun.kernels import cpu_activation, cpu_attention, cpu_kv_store, cpu_library, cpu_norm, cpu_rotary, cpu_rotation
+from qrun.kernels import (cpu_activation, cpu_argmax, cpu_attention, cpu_kv_store, cpu_library, cpu_norm, cpu_rotary,
+                           cpu_rotation)
 from qrun.kernels.activation import silu_and_mul_ref
+from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -43,6 +47,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "rotate": {"torch": rotate, "triton": rotate, "cpu": cpu_rotation.rotate_cpu},
     "unrotate": {"torch": unrotate, "triton": unrotate, "cpu": cpu_rotation.unrotate_cpu},
     "reflect": {"torch": reflect, "triton": reflect, "cpu": cpu_rotation.reflect_cpu},
+    # GPUs take torch's max (one reduction kernel)
+    "first_max": {"torch": first_max_ref, "triton": first_max_ref, "cpu": cpu_argmax.first_max_cpu},
 }
 
 
@@ -64,7 +70,11 @@ def backend(device: torch.device) -> str:
 def ops_for(device: torch.device) -> SimpleNamespace:
     """The implementation of every op for tensors on `device`, as attributes. The C++ backend
     covers some ops; the rest run their torch references."""
-    chosen = backend(device)
+    return _ops(backend(device))
+
+
+@functools.cache
+def _ops(chosen: str) -> SimpleNamespace:
     fallback = "torch" if chosen == "cpu" else None
     missing = [name for name, impls in IMPLEMENTATIONS.items() if chosen not in impls and fallback not in impls]
     if missing:

@@ -175,6 +175,7 @@ extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out,
                                  const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads);
 extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,
                                  int64_t width, int threads);
+extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t width, int64_t* out, int threads);
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
                              int64_t rows, int64_t hidden, float eps, int threads);
 extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,

@@ -367,6 +367,22 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
     return out;
 }
 
+// Each row's first index of its largest value (kernels/cpu_argmax.py).
+at::Tensor first_max(const at::Tensor& rows) {
+    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.stride(1) == 1 && rows.size(1) > 0 &&
+                    rows.size(1) < (int64_t(1) << 31),
+                "first_max: rows must be float32 [rows, width] with contiguous rows and 0 < width < 2^31, got ",
+                rows.scalar_type(), " ", rows.sizes());
+    at::Tensor out = at::empty({rows.size(0)}, rows.options().dtype(at::kLong));
+    qrun_first_max(rows.data_ptr<float>(), rows.stride(0), rows.size(0), rows.size(1), out.data_ptr<int64_t>(),
+                   at::get_num_threads());
+    return out;
+}
+
+at::Tensor first_max_shape(const at::Tensor& rows) {
+    return at::empty_symint({rows.sym_size(0)}, rows.options().dtype(at::kLong));
+}
+
 at::Tensor silu_and_mul_shape(const at::Tensor& gate, const at::Tensor&) {
     return at::empty_symint(gate.sym_sizes(), gate.options());
 }
@@ -545,6 +561,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("apply_rotary(Tensor q, Tensor k, Tensor positions, Tensor cos_sin) -> (Tensor, Tensor)");
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
+    m.def("first_max(Tensor rows) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -563,6 +580,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("apply_rotary", &apply_rotary);
     m.impl("gather_columns", &gather_columns);
     m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("first_max", &first_max);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
     m.impl("add_rms_norm", &add_rms_norm);
@@ -579,6 +597,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("apply_rotary", &apply_rotary_shape);
     m.impl("gather_columns", &gather_columns_shape);
     m.impl("silu_and_mul", &silu_and_mul_shape);
+    m.impl("first_max", &first_max_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);
     m.impl("add_rms_norm", &add_rms_norm_shape);
