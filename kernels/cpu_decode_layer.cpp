@@ -106,6 +106,7 @@ struct Linear {
     int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
     // QUANT: the op's kernel choice by rows and its streams at one or two (cpu_quant_matmul.py)
     int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0;
+    qrun_ops::VnniPlanes vnni;  // QUANT: the weights as the VNNI kernel reads them, checked once
 
     // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, the AMX one, or oneDNN on the dequantized
     // weight, by the rows), then the bias in x's dtype, as CpuQuantMatmul.forward adds it
@@ -153,9 +154,7 @@ struct Linear {
                 at::Tensor sums = weights.size() > 4 && in.scalar_type() == at::kBFloat16
                                       ? workspace.get(Workspace::SUMS, rows, out_features, at::kFloat)
                                       : y;
-                qrun_ops::quant_matmul_vnni_into(in, weights[0], weights[1], weights[2], weights[3], group, high(0),
-                                                 high(1), high(2), high(3), k_high, input_digits, read_streams, y,
-                                                 sums);
+                qrun_ops::quant_matmul_vnni(vnni, in, y, sums);
                 return bias ? y.add_(bias->to(y.scalar_type())) : y;  // as CpuQuantMatmul.forward adds it
             }
             case DENSE:
@@ -171,7 +170,6 @@ struct Linear {
         }
     }
 
-  private:
     Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
 };
 
@@ -203,9 +201,15 @@ class DecodeLayer : public torch::CustomClassHolder {
                     int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
         TORCH_CHECK(slot >= 0 && slot < 4 && kind >= QUANT && kind <= HALF_GEMV_PACKED,
                     "DecodeLayer.set_linear: slot ", slot, " kind ", kind);
-        linears_[slot] = Linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
-                                std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
-                                tile_dequantize_rows, dequantize_rows, read_streams};
+        Linear linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
+                      std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
+                      tile_dequantize_rows, dequantize_rows, read_streams};
+        if (kind == QUANT)
+            linear.vnni = qrun_ops::vnni_planes(linear.weights[0], linear.weights[1], linear.weights[2],
+                                                linear.weights[3], group, out_features, linear.high(0),
+                                                linear.high(1), linear.high(2), linear.high(3), k_high, input_digits,
+                                                read_streams);
+        linears_[slot] = std::move(linear);
     }
 
     // (x, residual) after the layer; both may be the workspace's, which the next layer's step overwrites.

@@ -90,21 +90,16 @@ const T* data_or_null(const std::optional<at::Tensor>& tensor) {
     return tensor ? static_cast<const T*>(tensor->data_ptr()) : nullptr;
 }
 
-// One plane's product: y (float32, or bfloat16 rounded once) = x[:, :k] W^T, or y += it (float32 y).
-void quant_matmul_plane(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& zeros, const at::Tensor& centers, int64_t group, int64_t k,
-                        int64_t input_digits, int64_t read_streams, at::Tensor& y, bool accumulate) {
-    TORCH_CHECK(plane_laid_out(codes, scales, zeros, centers, y.size(1), k),
-                "quant_matmul: packed weights do not match [", y.size(1), ", ", k, "]");
-    TORCH_CHECK(read_streams == 1 || read_streams == 2 || read_streams == 4, "quant_matmul: read_streams must be 1, 2 "
-                "or 4 (kernels/cpu_quant_matmul.py's READ_STREAMS), got ", read_streams);
-    const int status = qrun_quant_matmul(
-        x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
-        static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
-        static_cast<const int8_t*>(centers.data_ptr()), y.data_ptr(), y.scalar_type() == at::kBFloat16, y.stride(0),
-        x.size(0), y.size(1), k, group, input_digits, accumulate, read_streams, at::get_num_threads());
-    TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", k, "] by a [", y.size(1), ", ",
-                k, "] weight in groups of ", group, " (status ", status, ")");
+// One plane's product: y (float32, or bfloat16 rounded once) = x[:, :plane.k] W^T, or y += it (float32 y).
+void multiply_plane(const qrun_ops::VnniPlanes& planes, const qrun_ops::VnniPlanes::Plane& plane, const at::Tensor& x,
+                    at::Tensor& y, bool accumulate) {
+    const int status = qrun_quant_matmul(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), plane.codes,
+                                         plane.scales, plane.zeros, plane.centers, y.data_ptr(),
+                                         y.scalar_type() == at::kBFloat16, y.stride(0), x.size(0), planes.n, plane.k,
+                                         planes.group, planes.input_digits, accumulate, planes.read_streams,
+                                         at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", plane.k, "] by a [", planes.n,
+                ", ", plane.k, "] weight in groups of ", planes.group, " (status ", status, ")");
 }
 
 at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
@@ -178,8 +173,10 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
     at::Tensor y = at::empty({rows.size(0), out_features}, rows.options());
     at::Tensor sums = bfloat16 && high_codes.has_value() ? at::empty(y.sizes(), y.options().dtype(at::kFloat)) : y;
-    qrun_ops::quant_matmul_vnni_into(rows, codes, scales, zeros, centers, group, high_codes, high_scales, high_zeros,
-                                     high_centers, k_high, input_digits, read_streams, y, sums);
+    qrun_ops::quant_matmul_vnni(qrun_ops::vnni_planes(codes, scales, zeros, centers, group, out_features, high_codes,
+                                                      high_scales, high_zeros, high_centers, k_high, input_digits,
+                                                      read_streams),
+                                rows, y, sums);
     return rows.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
@@ -482,24 +479,45 @@ bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequan
            ((dequantize_rows <= 0 || rows < dequantize_rows) && (tile_rows <= 0 || rows < tile_rows));
 }
 
-void quant_matmul_vnni_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& zeros, const at::Tensor& centers, int64_t group,
-                            const Optional& high_codes, const Optional& high_scales, const Optional& high_zeros,
-                            const Optional& high_centers, int64_t k_high, int64_t input_digits, int64_t read_streams,
-                            at::Tensor& y, at::Tensor& sums) {
-    const bool bfloat16 = x.scalar_type() == at::kBFloat16, two_planes = high_codes.has_value();
+VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                       const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
+                       const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
+                       int64_t k_high, int64_t input_digits, int64_t read_streams) {
+    const int64_t k = out_features > 0 ? codes.numel() * 2 / out_features : 0;
+    TORCH_CHECK(plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
+                    (!high_codes ||
+                     plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high)),
+                "quant_matmul: packed weights do not match [", out_features, ", ", k, "]");
+    TORCH_CHECK(read_streams == 1 || read_streams == 2 || read_streams == 4, "quant_matmul: read_streams must be 1, 2 "
+                "or 4 (kernels/cpu_quant_matmul.py's READ_STREAMS), got ", read_streams);
+    const auto plane = [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                          const at::Tensor& centers, int64_t inputs) {
+        return VnniPlanes::Plane{static_cast<const uint8_t*>(codes.data_ptr()),
+                                 static_cast<const uint16_t*>(scales.data_ptr()),
+                                 static_cast<const uint16_t*>(zeros.data_ptr()),
+                                 static_cast<const int8_t*>(centers.data_ptr()), inputs};
+    };
+    VnniPlanes planes{plane(codes, scales, zeros, centers, k), {}, out_features, group, input_digits, read_streams};
+    if (high_codes) planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
+    return planes;
+}
+
+void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, at::Tensor& sums) {
+    const bool bfloat16 = x.scalar_type() == at::kBFloat16, two_planes = planes.high.codes != nullptr;
     TORCH_CHECK((bfloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && y.dim() == 2 &&
-                    y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
-                "quant_matmul: x must be contiguous float32 or bfloat16 [rows, k] and y of its dtype [rows, n], got ",
-                x.scalar_type(), " ", x.sizes(), " and ", y.scalar_type(), " ", y.sizes());
+                    y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) &&
+                    y.size(1) == planes.n,
+                "quant_matmul: x must be contiguous float32 or bfloat16 [rows, k] and y of its dtype [rows, ",
+                planes.n, "], got ", x.scalar_type(), " ", x.sizes(), " and ", y.scalar_type(), " ", y.sizes());
+    TORCH_CHECK(x.size(1) == planes.low.k, "quant_matmul: x ", x.sizes(), " does not match the packed [", planes.n,
+                ", ", planes.low.k, "] weight");
     TORCH_CHECK(!bfloat16 || !two_planes ||
                     (sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.sizes() == y.sizes()),
                 "quant_matmul: sums must be contiguous float32 ", y.sizes());
     at::Tensor& first = bfloat16 && two_planes ? sums : y;
-    quant_matmul_plane(x, codes, scales, zeros, centers, group, x.size(1), input_digits, read_streams, first, false);
+    multiply_plane(planes, planes.low, x, first, false);
     if (!two_planes) return;
-    quant_matmul_plane(x, *high_codes, *high_scales, *high_zeros, *high_centers, group, k_high, input_digits,
-                       read_streams, first, true);
+    multiply_plane(planes, planes.high, x, first, true);
     if (bfloat16) to_bfloat16_into(sums, y);
 }
 

@@ -31,14 +31,30 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
 // Whether quant_matmul multiplies x's rows on the VNNI kernel (not AMX tiles or oneDNN; see its thresholds).
 bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequantize_rows);
 
-// The VNNI kernel's y = x W^T (+ x[:, :k_high] W_high^T) for float32 or bfloat16 x (contiguous) into y of x's dtype:
-// one plane's bfloat16 product rounds as it is stored; with a second plane both add into float32 `sums` ([rows, n];
-// y itself for float32 x) and a bfloat16 y is their rounding.
-void quant_matmul_vnni_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& zeros, const at::Tensor& centers, int64_t group,
-                            const Optional& high_codes, const Optional& high_scales, const Optional& high_zeros,
-                            const Optional& high_centers, int64_t k_high, int64_t input_digits, int64_t read_streams,
-                            at::Tensor& y, at::Tensor& sums);
+// An [n, k] weight's VNNI planes as the kernel reads them (kernels/cpu_quant_matmul.py's layout), checked once where
+// they are made: the decode layer keeps them with its linear, the op makes them for each call. The tensors they
+// point into must outlive them.
+struct VnniPlanes {
+    struct Plane {
+        const uint8_t* codes = nullptr;
+        const uint16_t* scales = nullptr;
+        const uint16_t* zeros = nullptr;
+        const int8_t* centers = nullptr;
+        int64_t k = 0;  // the inputs it covers: all, or the high plane's first k_high
+    };
+    Plane low, high;  // high.codes null: one plane
+    int64_t n = 0, group = 0, input_digits = 1, read_streams = 4;
+};
+
+VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                       const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
+                       const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
+                       int64_t k_high, int64_t input_digits, int64_t read_streams);
+
+// The VNNI kernel's y = x W^T (+ x[:, :k_high] W_high^T) for float32 or bfloat16 x [rows, k] (contiguous) into y
+// [rows, n] of x's dtype: one plane's bfloat16 product rounds as it is stored; with a second plane both add into
+// float32 `sums` ([rows, n]; y itself for float32 x) and a bfloat16 y is their rounding.
+void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, at::Tensor& sums);
 
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);
