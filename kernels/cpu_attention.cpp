@@ -156,14 +156,24 @@ struct Step {
     int threads;
 };
 
-// A work item is CHUNK tokens of one decode row's sequence, every KV head: its keys and values are read as they lie
+// A work item is a chunk of one decode row's sequence (chunk_tokens), every KV head: its keys and values are read as they lie
 // (a token's heads side by side), a long sequence spreads over the threads (each chunk's softmax is merged after, as
 // flash-decoding does). Tokens pass LANES at a time; the next LANES tokens' rows are fetched meanwhile (blocks are
 // scattered, which the hardware's prefetchers do not follow), the values' by the keys' pass as well as by their own,
 // and a chunk's first LANES tokens' before it starts (16 sequences of 380 tokens, cold caches, a 2-core Xeon: 518 ->
 // 421 us a layer; fetching the values only in the keys' pass: 720). Each row is converted to floats once, in
 // registers, for a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers too).
-constexpr int64_t CHUNK = 128, LANES = 16;
+constexpr int64_t CHUNK = 128, LANES = 16, UNSPLIT = 96;
+
+// Tokens a chunk of a length-token sequence holds: the sequence whole up to UNSPLIT tokens (a second thread to wake
+// and wait for costs more than it saves: 8 against 13 us at 20 tokens), else halves rounded up to LANES, at most
+// CHUNK. So a sequence of 200 tokens is 112 + 88, not 128 + 72, for the two threads of a single stream (its chunks'
+// sums merged in another order: the same attention to float32's rounding). It depends on the length alone, so a
+// sequence's attention is the same whatever else the batch holds.
+inline int64_t chunk_tokens(int64_t length) {
+    if (length <= UNSPLIT) return std::max<int64_t>(length, 1);
+    return std::min(CHUNK, ((length + 1) / 2 + LANES - 1) / LANES * LANES);
+}
 
 template <int64_t dim>
 constexpr int64_t pack_size() {  // the pack's vectors (pack_size * dim / 16) fit in half the 32 registers
@@ -359,7 +369,8 @@ void decode_attention(const Step& step) {
     std::vector<int64_t> chunk_start(step.num_seqs + 1, 0);
     for (int64_t seq = 0; seq < step.num_seqs; seq++) {
         const bool decodes = step.query_start_loc[seq + 1] - step.query_start_loc[seq] == 1;
-        chunk_start[seq + 1] = chunk_start[seq] + (decodes ? (step.seq_lens[seq] + CHUNK - 1) / CHUNK : 0);
+        const int64_t length = step.seq_lens[seq], tokens = chunk_tokens(length);
+        chunk_start[seq + 1] = chunk_start[seq] + (decodes ? (length + tokens - 1) / tokens : 0);
     }
     const int64_t chunks = chunk_start[step.num_seqs], per_chunk = heads * (dim + 2);
     std::vector<float> partials(chunks * per_chunk);  // per chunk: top[heads], sum[heads], acc[heads, dim]
@@ -367,7 +378,7 @@ void decode_attention(const Step& step) {
         float* at = partials.data() + chunk * per_chunk;
         return Partial{at, at + heads, at + 2 * heads};
     };
-    // one chunk (a short context at batch 1): no second thread to wake and wait for (8 against 13 us at 20 tokens)
+    // one chunk (a short context at batch 1): no second thread to wake and wait for
 #pragma omp parallel num_threads(int(std::clamp<int64_t>(chunks, 1, step.threads)))
     {
         std::vector<float> queries(heads * dim), scores(heads * (CHUNK + LANES));
@@ -375,11 +386,11 @@ void decode_attention(const Step& step) {
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
             const int64_t seq = after - chunk_start.begin() - 1;
-            const int64_t begin = (chunk - chunk_start[seq]) * CHUNK;
+            const int64_t tokens = chunk_tokens(step.seq_lens[seq]), begin = (chunk - chunk_start[seq]) * tokens;
             const float* q = step.q + step.query_start_loc[seq] * heads * dim;
             for (int64_t i = 0; i < heads * dim; i++) queries[i] = q[i] * step.scale;
             attend_chunk<kind, dim>(step, queries.data(), step.block_tables + seq * step.table_width, begin,
-                                    std::min<int64_t>(begin + CHUNK, step.seq_lens[seq]), scores.data(),
+                                    std::min<int64_t>(begin + tokens, step.seq_lens[seq]), scores.data(),
                                     partial_of(chunk));
         }
         // each decode row's heads: its chunks merged, in chunk order
