@@ -365,15 +365,21 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
 template <int kind, int64_t dim>
 void decode_attention(const Step& step) {
     const int64_t heads = step.num_q_heads;
-    // work items: (decode row's sequence, chunk of its tokens); chunk_start[i]: sequence i's first chunk
-    std::vector<int64_t> chunk_start(step.num_seqs + 1, 0);
+    // work items: (decode row's sequence, chunk of its tokens); chunk_start[i]: sequence i's first chunk. Buffers the
+    // calling thread (and each of the region's) keeps between calls: a decode step at batch 1 makes 30 of them. The
+    // region's threads reach the caller's through these references (a thread_local name is each thread's own).
+    thread_local std::vector<int64_t> kept_chunk_start;
+    thread_local std::vector<float> kept_partials;
+    std::vector<int64_t>& chunk_start = kept_chunk_start;
+    std::vector<float>& partials = kept_partials;
+    chunk_start.assign(step.num_seqs + 1, 0);
     for (int64_t seq = 0; seq < step.num_seqs; seq++) {
         const bool decodes = step.query_start_loc[seq + 1] - step.query_start_loc[seq] == 1;
         const int64_t length = step.seq_lens[seq], tokens = chunk_tokens(length);
         chunk_start[seq + 1] = chunk_start[seq] + (decodes ? (length + tokens - 1) / tokens : 0);
     }
     const int64_t chunks = chunk_start[step.num_seqs], per_chunk = heads * (dim + 2);
-    std::vector<float> partials(chunks * per_chunk);  // per chunk: top[heads], sum[heads], acc[heads, dim]
+    partials.resize(chunks * per_chunk);  // per chunk: top[heads], sum[heads], acc[heads, dim], all written
     const auto partial_of = [&](int64_t chunk) {
         float* at = partials.data() + chunk * per_chunk;
         return Partial{at, at + heads, at + 2 * heads};
@@ -381,7 +387,9 @@ void decode_attention(const Step& step) {
     // one chunk (a short context at batch 1): no second thread to wake and wait for
 #pragma omp parallel num_threads(int(std::clamp<int64_t>(chunks, 1, step.threads)))
     {
-        std::vector<float> queries(heads * dim), scores(heads * (CHUNK + LANES));
+        thread_local std::vector<float> queries, scores;
+        queries.resize(heads * dim);
+        scores.resize(heads * (CHUNK + LANES));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
