@@ -5,9 +5,9 @@ references.
 the CPU the C++ kernels where an op has one (paged attention's decode rows:
 `kernels/cpu_attention.py`; the rotation and its inverse: `kernels/cpu_rotation.py`; RMSNorm:
 `kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the MLP's SiLU-gated activation:
-`kernels/cpu_activation.py`; the quantized cache store:
-`kernels/cpu_kv_store.py`; greedy sampling's argmax: `kernels/cpu_argmax.py`; built at first use by `kernels/cpu_library.py`) and the torch
-references for the rest, or the references alone where no C++ compiler builds them. Every
+`kernels/cpu_activation.py`; the quantized cache store: `kernels/cpu_kv_store.py`; greedy
+sampling's argmax: `kernels/cpu_argmax.py`; built at first use by `kernels/cpu_library.py`) and
+the torch references for the rest, or the references alone where no C++ compiler builds them. Every
 implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
 call them without knowing which they got (resolved once per backend: a later lookup is a
 dictionary's).

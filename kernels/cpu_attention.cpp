@@ -156,13 +156,14 @@ struct Step {
     int threads;
 };
 
-// A work item is a chunk of one decode row's sequence (chunk_tokens), every KV head: its keys and values are read as they lie
-// (a token's heads side by side), a long sequence spreads over the threads (each chunk's softmax is merged after, as
-// flash-decoding does). Tokens pass LANES at a time; the next LANES tokens' rows are fetched meanwhile (blocks are
-// scattered, which the hardware's prefetchers do not follow), the values' by the keys' pass as well as by their own,
-// and a chunk's first LANES tokens' before it starts (16 sequences of 380 tokens, cold caches, a 2-core Xeon: 518 ->
-// 421 us a layer; fetching the values only in the keys' pass: 720). Each row is converted to floats once, in
-// registers, for a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers too).
+// A work item is a chunk of one decode row's sequence (chunk_tokens), every KV head: its keys and values are read as
+// they lie (a token's heads side by side), a long sequence spreads over the threads (each chunk's softmax is merged
+// after, as flash-decoding does). Tokens pass LANES at a time; the next LANES tokens' rows are fetched meanwhile
+// (blocks are scattered, which the hardware's prefetchers do not follow), the values' by the keys' pass as well as by
+// their own, and a chunk's first LANES tokens' before it starts (16 sequences of 380 tokens, cold caches, a 2-core
+// Xeon: 518 -> 421 us a layer; fetching the values only in the keys' pass: 720). Each row is converted to floats once,
+// in registers, for a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers
+// too).
 constexpr int64_t CHUNK = 128, LANES = 16, UNSPLIT = 96;
 
 // Tokens a chunk of a length-token sequence holds: the sequence whole up to UNSPLIT tokens (a second thread to wake

@@ -465,7 +465,8 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
                 "half_gemv: bias must be float16 [", weight.size(0), "]");
     TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) &&
                     y.size(1) == weight.size(0),
-                "half_gemv: y must be ", x.scalar_type(), " [", x.size(0), ", ", weight.size(0), "] with contiguous rows");
+                "half_gemv: y must be ", x.scalar_type(), " [", x.size(0), ", ", weight.size(0),
+                "] with contiguous rows");
     const int status = qrun_half_gemv(x.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, x.stride(0),
                                       static_cast<const uint16_t*>(weight.data_ptr()),
                                       bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr, y.data_ptr(),
