@@ -62,6 +62,25 @@ def test_cpu_decode_layers_equal_the_torch_layers_bit_for_bit(tiny_llama64_dir, 
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
+def test_cpu_decode_layers_stay_exact_as_their_kept_buffers_change_size(tiny_llama64_dir):
+    """The stack keeps its buffers between steps and reallocates them when the rows change: a stale
+    or shared buffer would show as a difference, and what a step returned stays as it was."""
+    llm = engine(tiny_llama64_dir, dtype="bfloat16")
+    kept = None
+    for batch in (5, 5, 2, 1, 1, 5):
+        (torch_hidden, torch_cache), (cpp_hidden, cpp_cache) = decode_step_both_ways(llm, batch)
+        assert torch.equal(cpp_hidden, torch_hidden)
+        assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
+        layers = llm.engine.runner.decode_layers.layers_forward()
+        meta = AttentionMetadata.build([(3, 4)] * batch, [[1 + s] for s in range(batch)], llm.engine.runner.block_size)
+        x = torch.randn(batch, llm.engine.runner.model.config.hidden_size, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            outputs = layers(x, torch.zeros_like(x), torch.full((batch,), 3), meta, llm.engine.runner.kv_cache)
+        if kept is not None:
+            assert all(torch.equal(t, copy) for t, copy in kept)  # the last step's outputs, untouched
+        kept = [(t, t.clone()) for t in outputs]
+
+
 def test_cpu_decode_layers_follow_bfloat16_only(tiny_llama64_dir):
     """The rerun of a step whose float16 GEMV overflowed: bfloat16 matmuls at one row too."""
     llm = engine(tiny_llama64_dir, dtype="bfloat16")
