@@ -3,8 +3,11 @@ result, for every linear path it covers, and the torch layers wherever it does n
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from hypothesis import example, given, settings, strategies as st
 
 from qrun import LLM, SamplingParams
 from qrun.convert.main import convert
@@ -62,20 +65,30 @@ def test_cpu_decode_layers_equal_the_torch_layers_bit_for_bit(tiny_llama64_dir, 
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
-def test_cpu_decode_layers_stay_exact_as_their_kept_buffers_change_size(tiny_llama64_dir):
-    """The stack keeps its buffers between steps and reallocates them when the rows change: a stale
-    or shared buffer would show as a difference, and what a step returned stays as it was."""
-    llm = engine(tiny_llama64_dir, dtype="bfloat16")
+@functools.cache
+def engine_kept_across_examples(path) -> LLM:
+    return engine(path, dtype="bfloat16")
+
+
+@settings(max_examples=8, deadline=None)
+@example(batches=[5, 5, 2, 1, 1, 5])
+@given(batches=st.lists(st.integers(1, 5), min_size=2, max_size=5))
+def test_cpu_decode_layers_stay_exact_as_their_kept_buffers_change_size(tiny_llama64_dir, batches):
+    """The stack keeps its buffers between steps (one engine across examples) and reallocates them
+    when the rows change: a stale or shared buffer would show as a difference, and what a step
+    returned stays as it was after the next."""
+    llm = engine_kept_across_examples(tiny_llama64_dir)
+    runner = llm.engine.runner
     kept = None
-    for batch in (5, 5, 2, 1, 1, 5):
+    for batch in batches:
         (torch_hidden, torch_cache), (cpp_hidden, cpp_cache) = decode_step_both_ways(llm, batch)
         assert torch.equal(cpp_hidden, torch_hidden)
         assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
-        layers = llm.engine.runner.decode_layers.layers_forward()
-        meta = AttentionMetadata.build([(3, 4)] * batch, [[1 + s] for s in range(batch)], llm.engine.runner.block_size)
-        x = torch.randn(batch, llm.engine.runner.model.config.hidden_size, dtype=torch.bfloat16)
+        meta = AttentionMetadata.build([(3, 4)] * batch, [[1 + s] for s in range(batch)], runner.block_size)
+        x = torch.randn(batch, runner.model.config.hidden_size, dtype=torch.bfloat16)
         with torch.inference_mode():
-            outputs = layers(x, torch.zeros_like(x), torch.full((batch,), 3), meta, llm.engine.runner.kv_cache)
+            outputs = runner.decode_layers.layers_forward()(x, torch.zeros_like(x), torch.full((batch,), 3), meta,
+                                                            runner.kv_cache)
         if kept is not None:
             assert all(torch.equal(t, copy) for t, copy in kept)  # the last step's outputs, untouched
         kept = [(t, t.clone()) for t in outputs]
