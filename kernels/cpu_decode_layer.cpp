@@ -1,6 +1,7 @@
-// One decoder layer's decode step (every sequence computes one token) in one call: torch.classes.qrun.DecodeLayer.
-// Built at load from a qrun.model.DecoderLayer by qrun/cpu_decode.py, which documents why and what it covers.
-// The step is the eager layer's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
+// A model's decode step (every sequence computes one token) in one call: torch.classes.qrun.DecodeLayer runs one
+// decoder layer, DecodeStack the embedding, every layer in order, the final norm and the head. Built at load from a
+// qrun.model.Transformer by qrun/cpu_decode.py, which documents why and what it covers.
+// The step is the eager model's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
 // rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
 // matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer,
 // called directly (cpu_ops.h) with outputs in the stack's Workspace.
@@ -18,7 +19,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -41,6 +44,8 @@ enum LinearKind : int64_t {
     DENSE = 1,        // at::linear(x, weights[0], bias)
     HALF_GEMV = 2,    // cpu_linear.CpuDenseLinear: weights = (float16 W, W or oneDNN-packed W[, float16 bias]);
     HALF_GEMV_PACKED = 3,  // ... the second weight prepacked for oneDNN
+    DEQUANTIZED = 4,  // CpuQuantMatmul's fallback where the planes do not fit (a vocabulary not a multiple of 16):
+                      // weights = (bfloat16 W), multiplied in bfloat16; bias float32, added in the model's dtype
 };
 
 constexpr int64_t GEMV_ROWS = 2;  // cpu_linear.GEMV_ROWS
@@ -71,8 +76,8 @@ struct StepMeta {
 // uses of one slot by linears of other shapes (a rotated input of 576 values or of 1536).
 class Workspace {
   public:
-    enum Slot { NORMED, RESIDUAL, QKV, QUERIES, ATTENTION, ATTENDED, PROJECTED, GATE_UP, GATED, HIDDEN, ROTATED,
-                GATHERED, SUMS };
+    enum Slot { EMBEDDED, NORMED, RESIDUAL, QKV, QUERIES, ATTENTION, ATTENDED, PROJECTED, GATE_UP, GATED, HIDDEN,
+                ROTATED, GATHERED, SUMS, LOGITS };
 
     at::Tensor get(Slot slot, int64_t rows, int64_t width, at::ScalarType dtype) {
         for (Buffer& buffer : buffers_)
@@ -159,6 +164,10 @@ struct Linear {
             }
             case DENSE:
                 return at::linear(in, weights[0], bias);
+            case DEQUANTIZED: {  // as CpuQuantMatmul.forward
+                const at::Tensor y = at::linear(in.to(at::kBFloat16), weights[0]).to(x.scalar_type());
+                return bias ? at::add(y, bias->to(y.scalar_type())) : y;
+            }
             default:
                 if (half_gemv && rows <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
                     at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
@@ -171,7 +180,24 @@ struct Linear {
     }
 
     Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
+
+    bool may_take_half_gemv() const { return kind == HALF_GEMV || kind == HALF_GEMV_PACKED; }
 };
+
+// A linear from DecodeLayer.set_linear's (or DecodeStack.set_head's) arguments, its VNNI planes checked once.
+Linear make_linear(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
+                   Optional odd_factor, int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
+                   int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
+    TORCH_CHECK(kind >= QUANT && kind <= DEQUANTIZED, "DecodeLayer: no linear of kind ", kind);
+    Linear linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
+                  std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
+                  tile_dequantize_rows, dequantize_rows, read_streams};
+    if (kind == QUANT)
+        linear.vnni = qrun_ops::vnni_planes(linear.weights[0], linear.weights[1], linear.weights[2],
+                                            linear.weights[3], group, out_features, linear.high(0), linear.high(1),
+                                            linear.high(2), linear.high(3), k_high, input_digits, read_streams);
+    return linear;
+}
 
 // Rotary position embedding (Hugging Face's half-split layout) of one head, rounded to T.
 template <typename T>
@@ -199,17 +225,15 @@ class DecodeLayer : public torch::CustomClassHolder {
                     std::optional<at::Tensor> perm, std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
                     int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits, int64_t tile_rows,
                     int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
-        TORCH_CHECK(slot >= 0 && slot < 4 && kind >= QUANT && kind <= HALF_GEMV_PACKED,
-                    "DecodeLayer.set_linear: slot ", slot, " kind ", kind);
-        Linear linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
-                      std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
-                      tile_dequantize_rows, dequantize_rows, read_streams};
-        if (kind == QUANT)
-            linear.vnni = qrun_ops::vnni_planes(linear.weights[0], linear.weights[1], linear.weights[2],
-                                                linear.weights[3], group, out_features, linear.high(0),
-                                                linear.high(1), linear.high(2), linear.high(3), k_high, input_digits,
-                                                read_streams);
-        linears_[slot] = std::move(linear);
+        TORCH_CHECK(slot >= 0 && slot < 4, "DecodeLayer.set_linear: no slot ", slot);
+        linears_[slot] = make_linear(kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
+                                     std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
+                                     tile_dequantize_rows, dequantize_rows, read_streams);
+    }
+
+    bool may_take_half_gemv() const {
+        return std::any_of(std::begin(linears_), std::end(linears_),
+                           [](const Linear& linear) { return linear.may_take_half_gemv(); });
     }
 
     // (x, residual) after the layer; both may be the workspace's, which the next layer's step overwrites.
@@ -362,14 +386,6 @@ class DecodeLayer : public torch::CustomClassHolder {
         TORCH_CHECK(status == 0, "DecodeLayer: no rotation of ", head_dim_, " values");
     }
 
-    // kernels/cpu_norm.cpp, as the eager layers' RMSNorm on the CPU: (normed, x + residual)
-    std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                    const at::Tensor& weight) const {
-        static const auto op = library_op<std::tuple<at::Tensor, at::Tensor>(
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("qrun::add_rms_norm");
-        return op.call(x, residual, weight, eps_);
-    }
-
     // Rotary (rounded to T) of every row's query and key heads, each handed to query(row, head, rotated) or
     // key(row, kv head, rotated).
     template <typename T, typename Query, typename Key>
@@ -432,31 +448,93 @@ class DecodeLayer : public torch::CustomClassHolder {
     Linear linears_[4];
 };
 
-// Every decoder layer's decode step, in order, in one call: a call from Python costs ~25 us, 30 of them ~10% of a
-// 4.0-bpw SmolLM2 step at batch 1. It keeps the layers' workspace, so one stack runs one step at a time (an engine's).
+// The model's decode step in one call: the embedding, every decoder layer in order, the final norm and the head. A
+// call from Python costs ~25 us, and each torch op around the layers as much again (the embedding, the norm and the
+// head's module chain: ~0.15 ms of a ~4.5 ms 4.0-bpw SmolLM2 step at batch 1). It keeps the layers' workspace, so one
+// stack runs one step at a time (an engine's).
 class DecodeStack : public torch::CustomClassHolder {
   public:
-    explicit DecodeStack(at::Tensor cos_sin) : cos_sin_(std::move(cos_sin)) {}
+    // cos_sin: the model's table (qrun/model.py's Transformer.cos_sin); embedding [vocab, hidden] and final_norm in
+    // the layers' dtype.
+    DecodeStack(at::Tensor cos_sin, at::Tensor embedding, at::Tensor final_norm, double eps)
+        : cos_sin_(std::move(cos_sin)), embedding_(std::move(embedding)), final_norm_(std::move(final_norm)),
+          eps_(eps) {
+        TORCH_CHECK(embedding_.dim() == 2 && embedding_.is_contiguous() &&
+                        final_norm_.scalar_type() == embedding_.scalar_type(),
+                    "DecodeStack: the embedding must be a contiguous [vocab, hidden] tensor of the final norm's dtype");
+    }
 
     void add_layer(c10::intrusive_ptr<DecodeLayer> layer) { layers_.push_back(std::move(layer)); }
 
-    // (x, residual) after the last layer, new tensors; the cos/sin table is the model's (qrun/model.py's
-    // Transformer.cos_sin).
-    std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor residual, const at::Tensor& positions,
-                                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                               bool half_gemv) {
+    // The head: DecodeLayer.set_linear's arguments after the slot.
+    void set_head(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
+                  Optional odd_factor, int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
+                  int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
+        head_ = make_linear(kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
+                            std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
+                            tile_dequantize_rows, dequantize_rows, read_streams);
+    }
+
+    // float32 logits [rows, vocab] (a new tensor) of token ids [rows] at their positions, as the eager model's
+    // forward and compute_logits give them. half_gemv: dense linears may take their float16 GEMV (at most GEMV_ROWS
+    // rows); where one's value passes float16's range, it reaches its row's logits (the final norm of an infinity is
+    // NaN), and the step runs again on the bfloat16 weights, as qrun/model_runner.py reruns the torch model's.
+    at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                       bool half_gemv) {
+        TORCH_CHECK(head_.kind >= 0, "DecodeStack: set_head first");
         const StepMeta meta{positions.to(at::kLong).contiguous(), slot_mapping.to(at::kLong).contiguous(),
                             block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
                             query_start_loc.to(at::kInt).contiguous()};
-        for (const auto& layer : layers_)
-            std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
-        return {x.clone(), residual.clone()};
+        const at::Tensor token_ids = ids.to(at::kLong).contiguous();
+        const at::Tensor logits = step(token_ids, meta, half_gemv);
+        const bool took_half_gemv = half_gemv && token_ids.numel() <= GEMV_ROWS &&
+                                    (head_.may_take_half_gemv() ||
+                                     std::any_of(layers_.begin(), layers_.end(),
+                                                 [](const auto& layer) { return layer->may_take_half_gemv(); }));
+        return took_half_gemv && !all_finite(logits) ? step(token_ids, meta, false) : logits;
     }
 
   private:
-    at::Tensor cos_sin_;
+    at::Tensor step(const at::Tensor& ids, const StepMeta& meta, bool half_gemv) {
+        at::Tensor x = embed(ids);
+        // zeros, as the eager model's first residual: the first layer adds it
+        at::Tensor residual = workspace_.get(Workspace::RESIDUAL, x.size(0), x.size(1), x.scalar_type()).zero_();
+        for (const auto& layer : layers_)
+            std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
+        at::Tensor normed = workspace_.get(Workspace::NORMED, x.size(0), x.size(1), x.scalar_type());
+        qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
+        return head_(normed, half_gemv, workspace_, Workspace::LOGITS).to(at::kFloat, false, /*copy=*/true);
+    }
+
+    // Whether every value of float32 `values` (contiguous) is finite: its exponent bits not all set.
+    static bool all_finite(const at::Tensor& values) {
+        const float* v = values.data_ptr<float>();
+        uint32_t any_not_finite = 0;
+        for (int64_t i = 0; i < values.numel(); i++)
+            any_not_finite |= uint32_t((std::bit_cast<uint32_t>(v[i]) & 0x7F800000u) == 0x7F800000u);
+        return !any_not_finite;
+    }
+
+    // The embedding's rows of ids (int64, contiguous), into the workspace.
+    at::Tensor embed(const at::Tensor& ids) {
+        const int64_t rows = ids.numel(), vocab = embedding_.size(0);
+        at::Tensor x = workspace_.get(Workspace::EMBEDDED, rows, embedding_.size(1), embedding_.scalar_type());
+        const int64_t row_bytes = embedding_.size(1) * embedding_.element_size();
+        const int64_t* id = ids.data_ptr<int64_t>();
+        for (int64_t r = 0; r < rows; r++) {
+            TORCH_CHECK(id[r] >= 0 && id[r] < vocab, "DecodeStack: token id ", id[r], " is outside the ", vocab,
+                        " embeddings");
+            std::memcpy(static_cast<char*>(x.data_ptr()) + r * row_bytes,
+                        static_cast<const char*>(embedding_.data_ptr()) + id[r] * row_bytes, row_bytes);
+        }
+        return x;
+    }
+
+    at::Tensor cos_sin_, embedding_, final_norm_;
+    double eps_;
     std::vector<c10::intrusive_ptr<DecodeLayer>> layers_;
+    Linear head_;
     Workspace workspace_;
 };
 
@@ -469,7 +547,8 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
         .def("set_linear", &DecodeLayer::set_linear)
         .def("set_cache_transforms", &DecodeLayer::set_cache_transforms);
     m.class_<DecodeStack>("DecodeStack")
-        .def(torch::init<at::Tensor>())
+        .def(torch::init<at::Tensor, at::Tensor, at::Tensor, double>())
         .def("add_layer", &DecodeStack::add_layer)
+        .def("set_head", &DecodeStack::set_head)
         .def("forward", &DecodeStack::forward);
 }

@@ -1,4 +1,5 @@
-"""Decode steps on the CPU with every decoder layer in one C++ call (`kernels/cpu_decode_layer.cpp`).
+"""Decode steps on the CPU in one C++ call (`kernels/cpu_decode_layer.cpp`): the embedding, every
+decoder layer, the final norm and the head.
 
 At one to a few sequences a decode step is bound by per-op overhead, not by the matmuls: eager, a
 SmolLM2 layer is ~50 torch ops (~0.7 ms a layer, 22 ms a step at batch 1, against a few ms of
@@ -8,15 +9,14 @@ its order, with the same kernels (the kernel table's CPU ones, torch's dense mat
 called from C++), so its results are the torch layers' bit for bit (tested); a 4.0-bpw SmolLM2
 step at batch 1 took 9 ms instead of 22. Like exllamav2's C++ attention and MLP, it is built
 once at load from the layer's modules (`build_layer`) and holds their weights and cache; the
-layers run in order from one call (a call from Python costs ~25 us). It covers float
-and quantized (int8, int4) KV caches, heads the C++ attention takes, dense linears and quantized
-ones on the VNNI kernel; an engine whose layers it does not all cover runs the compiled torch
-layer instead (`qrun/compiled_decode.py`). Steps with a prefill chunk run the torch layers.
+whole step, embedding to logits, runs from one call (a call from Python costs ~25 us, and so does
+each torch op around the layers). It covers float and quantized (int8, int4) KV caches, heads the
+C++ attention takes, dense linears and quantized ones on the VNNI kernel; an engine whose layers
+or head it does not all cover runs the compiled torch layer instead (`qrun/compiled_decode.py`).
+Steps with a prefill chunk run the torch model.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from qrun.model import AttentionMetadata, DecoderLayer, Transformer
 from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear
 
 # Linear kinds of cpu_decode_layer.cpp
-QUANT, DENSE, HALF_GEMV, HALF_GEMV_PACKED = range(4)
+QUANT, DENSE, HALF_GEMV, HALF_GEMV_PACKED, DEQUANTIZED = range(5)
 _SLOTS = ("qkv", "o", "gate_up", "down")
 
 
@@ -47,8 +47,9 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
     if isinstance(rotation, InputRotation):
         signs, odd = rotation.signs, odd_factor(rotation.factors)
     if isinstance(module, CpuQuantMatmul):
-        if module.planes is None:
-            return None
+        if module.planes is None:  # its fallback: a bfloat16 weight, or torch's int4 kernel (not covered)
+            return None if module.dense is None else (DEQUANTIZED, [module.dense], module.bias, module.perm, signs,
+                                                      odd, module.out_features, 0, 0, 1, 0, 0, 0, 0)
         planes = module.planes if module.planes[4] is not None else module.planes[:4]
         return (QUANT, list(planes), module.bias, module.perm, signs, odd, module.out_features, module.group,
                 module.k_high, module.input_digits, cpu_quant_matmul.tile_rows(),
@@ -94,32 +95,35 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     return fused
 
 
-class DecodeLayers:
-    """The C++ decode steps of every layer of a model, run in order by one call."""
+class DecodeModel:
+    """A model's decode step in one C++ call: the embedding, every layer, the final norm and the head."""
 
     def __init__(self, stack: torch.ScriptObject):
         self.stack = stack
 
     @classmethod
-    def build(cls, model: Transformer, kv_cache: KVCache) -> "DecodeLayers | None":
-        """The C++ layers of `model` over `kv_cache`, or None when the library is not built here
-        or some layer is not covered (the step then runs the torch layers)."""
+    def build(cls, model: Transformer, kv_cache: KVCache) -> "DecodeModel | None":
+        """The C++ decode step of `model` over `kv_cache`, or None when the library is not built here
+        or some layer or the head is not covered (the step then runs the torch layers)."""
         if not cpu_library.available():
             return None
         layers = [build_layer(layer, cache) for layer, cache in zip(model.layers, kv_cache.layers)]
-        if any(fused is None for fused in layers):
+        head = _linear(model.lm_head, nn.Identity())
+        embedding = model.embed_tokens.weight
+        if (any(fused is None for fused in layers) or head is None or embedding.dim() != 2
+                or not embedding.is_contiguous() or embedding.dtype != model.norm.weight.dtype):
             return None
-        stack = torch.classes.qrun.DecodeStack(model.cos_sin)
+        stack = torch.classes.qrun.DecodeStack(model.cos_sin, embedding, model.norm.weight, model.norm.eps)
         for fused in layers:
             stack.add_layer(fused)
+        stack.set_head(*head)
         return cls(stack)
 
-    def layers_forward(self, half_gemv: bool = True) -> Callable:
-        """`Transformer.forward`'s `layers` for a step in which every sequence decodes one token.
-        `half_gemv`: dense bfloat16 linears may take their float16 GEMV path
-        (`cpu_linear.bfloat16_only` is the other case)."""
-        def layers_forward(x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                           kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.stack.forward(x, residual, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, half_gemv)
-        return layers_forward
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               half_gemv: bool = True) -> torch.Tensor:
+        """float32 logits [rows, vocab] of a step in which every sequence decodes one token: what
+        `Transformer.compute_logits` gives for `Transformer.forward`'s rows. `half_gemv`: dense
+        bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
+        case); a step in which one passes float16's range runs again without it, in the same call."""
+        return self.stack.forward(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, half_gemv)

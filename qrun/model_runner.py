@@ -7,7 +7,7 @@ import logging
 import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
-from qrun.cpu_decode import DecodeLayers
+from qrun.cpu_decode import DecodeModel
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.kernels import backend
 from qrun.loader import LoadedModel
@@ -36,10 +36,10 @@ class ModelRunner:
         calibrations = key_calibration(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, calibrations)
         self.half_gemv = uses_cpu_dense_linears(self.model)
-        # decode steps: every layer in one C++ call where the CPU kernels cover the model, else a
+        # decode steps: the whole model in one C++ call where the CPU kernels cover it, else a
         # compiled torch layer (unless compile_decode is off), else eager
-        self.decode_layers = DecodeLayers.build(self.model, self.kv_cache) if backend(self.device) == "cpu" else None
-        self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_layers is None
+        self.decode_model = DecodeModel.build(self.model, self.kv_cache) if backend(self.device) == "cpu" else None
+        self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_model is None
                          and can_compile(self.model, self.device) else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -68,16 +68,16 @@ class ModelRunner:
             if start + n == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        decode = self.decode_layers is not None and all(end - start == 1 for start, end in spans)
-        if decode:
-            layers = self.decode_layers.layers_forward()
-        else:
-            layers = self.compiled.layers_for(spans) if self.compiled is not None else None
+        decode = self.decode_model is not None and all(end - start == 1 for start, end in spans)
+        layers = self.compiled.layers_for(spans) if self.compiled is not None and not decode else None
         meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
-                                       compiled=self.compiled is not None and layers is not None)
+                                       compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
         ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
                                 for v in (input_ids, positions, sample_rows))
+        if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
+            logits = self.decode_model.logits(ids, positions, meta)
+            return logits if len(sample_rows) == len(input_ids) else logits[rows], sampling
 
         def forward(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.model(ids, positions, meta, self.kv_cache, layers)
@@ -94,7 +94,7 @@ class ModelRunner:
             hidden, logits = forward(layers)
         if self.half_gemv and len(input_ids) <= GEMV_ROWS and not _all_finite(hidden, logits):
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
-                hidden, logits = forward(self.decode_layers.layers_forward(half_gemv=False) if decode else layers)
+                hidden, logits = forward(layers)
         if logits is None:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampling
         return logits, sampling

@@ -9,7 +9,7 @@ import torch
 import qrun.compiled_decode as compiled_decode
 from qrun import LLM, SamplingParams
 from qrun.convert.main import convert
-from qrun.cpu_decode import DecodeLayers
+from qrun.cpu_decode import DecodeModel
 from qrun.kernels import cpu_library, cpu_quant_matmul
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -20,10 +20,10 @@ needs_compiler = pytest.mark.skipif(not cpu_library.available(),
 
 
 @pytest.fixture(autouse=True)
-def torch_decode_layers(monkeypatch):
-    """The compiled torch layer runs where the C++ decode layer does not (qrun/cpu_decode.py):
+def torch_decode_steps(monkeypatch):
+    """The compiled torch layer runs where the C++ decode step does not (qrun/cpu_decode.py):
     these tests make it run everywhere."""
-    monkeypatch.setattr(DecodeLayers, "build", classmethod(lambda cls, model, kv_cache: None))
+    monkeypatch.setattr(DecodeModel, "build", classmethod(lambda cls, model, kv_cache: None))
 
 
 def tiny_prompts(n):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qrun.cpu_linear import CpuDenseLinear, bfloat16_only, can_prepack, use_cpu_dense_linears
+from qrun.kernels import cpu_library
 
 
 def linear(k=64, n=48, bias=True):
@@ -40,11 +41,14 @@ def test_bfloat16_only_runs_the_bfloat16_weight():
     assert half.enabled
 
 
-def test_a_step_past_float16_range_reruns_in_bfloat16(tiny_llama_dir):
+@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_llama64_dir"])
+def test_a_step_past_float16_range_reruns_in_bfloat16(checkpoint, request):
+    """Heads of 16: the torch model's steps; of 64: decode steps in the C++ model, which reruns itself."""
     from qrun import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory=1 << 22)
+    llm = LLM(str(request.getfixturevalue(checkpoint)), dtype="bfloat16", device="cpu", kv_cache_memory=1 << 22)
     runner = llm.engine.runner
+    assert (runner.decode_model is not None) == (checkpoint == "tiny_llama64_dir" and cpu_library.available())
     if not runner.half_gemv:
         pytest.skip("float16 GEMV does not apply on this CPU")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

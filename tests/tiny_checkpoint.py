@@ -30,13 +30,15 @@ def write_byte_tokenizer(folder: Path) -> None:
     }))
 
 
-def make_tiny_checkpoint(folder: Path, family: str, seed: int = 0, head_dim: int = 16) -> Path:
+def make_tiny_checkpoint(folder: Path, family: str, seed: int = 0, head_dim: int = 16,
+                         vocab_size: int = TINY_VOCAB) -> Path:
     """Save a random 2-layer model of `family` (llama, qwen2, mistral) with transformers, 4 query
-    heads of `head_dim` (64: a head size the C++ CPU attention has)."""
+    heads of `head_dim` (64: a head size the C++ CPU attention has); embeddings past the
+    tokenizer's TINY_VOCAB tokens are never looked up."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   eos_token_id=258, bos_token_id=None)
     if family == "llama":
