@@ -17,6 +17,7 @@ from torch import nn
 from qrun.config import ModelConfig
 from qrun.cpu_linear import cpu_dense_linears_apply, use_cpu_dense_linears
 from qrun.errors import ModelLoadError, one_line
+from qrun.huge_pages import move_to_huge_pages
 from qrun.model import Transformer
 from qrun.sources import ModelSource, read_json_object, resolve
 from qrun.tokenizer import Tokenizer
@@ -354,11 +355,13 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
         prepare_quantized_linears(net)
     if fuse_projections:
         net.fuse_projections()
-    if quantized:
-        from qrun.quant import measure_read_streams
-
-        measure_read_streams(net)  # on the matmuls decode steps run: after fusing
     if cpu_dense_linears_apply(torch_device, torch_dtype):
         use_cpu_dense_linears(net)
     net.eval().requires_grad_(False)
+    if torch_device.type == "cpu":
+        move_to_huge_pages(net)
+    if quantized:
+        from qrun.quant import measure_read_streams
+
+        measure_read_streams(net)  # on the matmuls decode steps run, where they will stay: after fusing and moving
     return LoadedModel(net, config, tokenizer, source, hf_config)
