@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from qrun.kernels import cpu_quant_matmul as cqm
 
@@ -68,9 +68,11 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
                                                                pytest.param(1, 1, marks=needs_tiles)],
                          ids=["vnni", "amx-codes", "amx-weights"])
 @settings(max_examples=20, deadline=None)
+@example(shape=(64, 512, 128, 128, 1), rows=40, digits=2)  # 20,480 inputs: quantized by both threads
 @given(weights(), st.integers(2, 70), st.sampled_from([1, 2]))
 def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows, shape, rows, digits):
-    """VNNI: rows in groups of 6; AMX: rows 1-16, 17-32 and a zero-padded copy of those past the last 32."""
+    """VNNI: rows in groups of 6; AMX: rows 1-16, 17-32 and a zero-padded copy of those past the last 32.
+    From 16,384 inputs the rows are quantized on every thread."""
     n, k, group, k_high, _ = shape
     low, high, x = problem(shape, rows)
     kernel = dict(digits=digits, tile_rows=tile_rows, tile_dequantize_rows=tile_dequantize_rows)
