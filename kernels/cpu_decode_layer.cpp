@@ -464,7 +464,10 @@ class DecodeStack : public torch::CustomClassHolder {
                     "DecodeStack: the embedding must be a contiguous [vocab, hidden] tensor of the final norm's dtype");
     }
 
-    void add_layer(c10::intrusive_ptr<DecodeLayer> layer) { layers_.push_back(std::move(layer)); }
+    void add_layer(c10::intrusive_ptr<DecodeLayer> layer) {
+        may_take_half_gemv_ |= layer->may_take_half_gemv();
+        layers_.push_back(std::move(layer));
+    }
 
     // The head: DecodeLayer.set_linear's arguments after the slot.
     void set_head(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
@@ -473,6 +476,7 @@ class DecodeStack : public torch::CustomClassHolder {
         head_ = make_linear(kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                             std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
                             tile_dequantize_rows, dequantize_rows, read_streams);
+        may_take_half_gemv_ |= head_.may_take_half_gemv();
     }
 
     // float32 logits [rows, vocab] (a new tensor) of token ids [rows] at their positions, as the eager model's
@@ -488,10 +492,7 @@ class DecodeStack : public torch::CustomClassHolder {
                             query_start_loc.to(at::kInt).contiguous()};
         const at::Tensor token_ids = ids.to(at::kLong).contiguous();
         const at::Tensor logits = step(token_ids, meta, half_gemv);
-        const bool took_half_gemv = half_gemv && token_ids.numel() <= GEMV_ROWS &&
-                                    (head_.may_take_half_gemv() ||
-                                     std::any_of(layers_.begin(), layers_.end(),
-                                                 [](const auto& layer) { return layer->may_take_half_gemv(); }));
+        const bool took_half_gemv = half_gemv && may_take_half_gemv_ && token_ids.numel() <= GEMV_ROWS;
         return took_half_gemv && !all_finite(logits) ? step(token_ids, meta, false) : logits;
     }
 
@@ -535,6 +536,7 @@ class DecodeStack : public torch::CustomClassHolder {
     double eps_;
     std::vector<c10::intrusive_ptr<DecodeLayer>> layers_;
     Linear head_;
+    bool may_take_half_gemv_ = false;  // some linear, the head's or a layer's, is a dense one's float16 GEMV
     Workspace workspace_;
 };
 

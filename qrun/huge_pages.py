@@ -6,9 +6,8 @@ ahead of). Copied into one allocation advised MADV_HUGEPAGE they span ~50 pages 
 stream, one process alternating both layouts seven times on a 2-core EPYC (Zen 4), 4.0 bpw 6.4%
 faster (median of the rounds' ratios, 1.005-1.139), the dense bfloat16 model 3.2%; the move
 cost 0.3 s (190 MB) and 0.5 s (328 MB) of their loads, most of it the kernel's first touch of the
-pages on that VM (0.08-0.44 s for 328 MB in separate tries). Where
-transparent huge pages are off (`never` in /sys/kernel/mm/transparent_hugepage/enabled) or the
-system is not Linux, nothing moves.
+pages on that VM (0.08-0.44 s for 328 MB in separate tries). Where transparent huge pages are off
+(`never` in /sys/kernel/mm/transparent_hugepage/enabled) or the system is not Linux, nothing moves.
 """
 
 from __future__ import annotations

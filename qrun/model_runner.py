@@ -69,7 +69,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         decode = self.decode_model is not None and all(end - start == 1 for start, end in spans)
-        layers = self.compiled.layers_for(spans) if self.compiled is not None and not decode else None
+        layers = self.compiled.layers_for(spans) if self.compiled is not None else None  # never beside decode_model
         meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
                                        compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
