@@ -151,6 +151,15 @@ def test_cpu_decode_step_stores_and_reads_a_quantized_cache_as_the_torch_model(t
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
+def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
+    runner = engine(tiny_llama64_dir).engine.runner
+    vocab = runner.model.config.vocab_size
+    meta = AttentionMetadata.build([(0, 1)], [[1]], runner.block_size)
+    refused = f"token id {vocab} is outside the {vocab} embeddings"
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=refused):
+        runner.decode_model.logits(torch.tensor([vocab]), torch.tensor([0]), meta)
+
+
 def test_heads_without_a_cpp_attention_keep_the_torch_model(tiny_llama_dir):
     assert engine(tiny_llama_dir).engine.runner.decode_model is None  # heads of 16
 
