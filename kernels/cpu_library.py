@@ -6,7 +6,8 @@ plain C++; cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and Met
 reaches them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes call it replaces took
 ~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps each as one call.
 cpu_decode_layer.cpp is a decoder layer's decode step as one object calling them
-(`torch.classes.qrun.DecodeLayer`, run in order by `DecodeStack`: qrun/cpu_decode.py). Built with the
+(`torch.classes.qrun.DecodeLayer`), and a model's whole decode step, embedding to logits, as another
+(`DecodeStack`: qrun/cpu_decode.py). Built with the
 machine's C++ compiler (the names Inductor looks for) for this CPU (-march=native) against the running
 torch's headers, and cached under qrun's cache folder keyed by the sources, flags, compiler, torch and
 CPU: ~25 s once.

@@ -73,11 +73,11 @@ class ModelRunner:
         meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
                                        compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
-        ids, positions, rows = (torch.tensor(v, dtype=torch.int64, device=self.device)
-                                for v in (input_ids, positions, sample_rows))
+        ids, positions = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (input_ids, positions))
         if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
             logits = self.decode_model.logits(ids, positions, meta)
-            return logits if len(sample_rows) == len(input_ids) else logits[rows], sampling
+            return logits if len(sample_rows) == len(input_ids) else logits[sample_rows], sampling
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
 
         def forward(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.model(ids, positions, meta, self.kv_cache, layers)
