@@ -77,7 +77,7 @@ struct StepMeta {
 class Workspace {
   public:
     enum Slot { EMBEDDED, NORMED, RESIDUAL, QKV, QUERIES, ATTENTION, ATTENDED, PROJECTED, GATE_UP, GATED, HIDDEN,
-                ROTATED, GATHERED, SUMS, LOGITS };
+                ROTATED, GATHERED, LOGITS };
 
     at::Tensor get(Slot slot, int64_t rows, int64_t width, at::ScalarType dtype) {
         for (Buffer& buffer : buffers_)
@@ -156,10 +156,7 @@ struct Linear {
             case QUANT: {
                 if (!qrun_ops::quant_matmul_on_vnni(in, tile_rows, dequantize_rows)) return quant_matmul(in);
                 at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
-                at::Tensor sums = weights.size() > 4 && in.scalar_type() == at::kBFloat16
-                                      ? workspace.get(Workspace::SUMS, rows, out_features, at::kFloat)
-                                      : y;
-                qrun_ops::quant_matmul_vnni(vnni, in, y, sums);
+                qrun_ops::quant_matmul_vnni(vnni, in, y);
                 return bias ? y.add_(bias->to(y.scalar_type())) : y;  // as CpuQuantMatmul.forward adds it
             }
             case DENSE:

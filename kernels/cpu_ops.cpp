@@ -90,18 +90,6 @@ const T* data_or_null(const std::optional<at::Tensor>& tensor) {
     return tensor ? static_cast<const T*>(tensor->data_ptr()) : nullptr;
 }
 
-// One plane's product: y (float32, or bfloat16 rounded once) = x[:, :plane.k] W^T, or y += it (float32 y).
-void multiply_plane(const qrun_ops::VnniPlanes& planes, const qrun_ops::VnniPlanes::Plane& plane, const at::Tensor& x,
-                    at::Tensor& y, bool accumulate) {
-    const int status = qrun_quant_matmul(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.stride(0), plane.codes,
-                                         plane.scales, plane.zeros, plane.centers, y.data_ptr(),
-                                         y.scalar_type() == at::kBFloat16, y.stride(0), x.size(0), planes.n, plane.k,
-                                         planes.group, planes.input_digits, accumulate, planes.read_streams,
-                                         at::get_num_threads());
-    TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", plane.k, "] by a [", planes.n,
-                ", ", plane.k, "] weight in groups of ", planes.group, " (status ", status, ")");
-}
-
 at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                              const at::Tensor& centers, int64_t group, int64_t out_features,
                              const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
@@ -169,14 +157,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                                                 tile_dequantize_rows > 0 && x.size(0) >= tile_dequantize_rows);
         return y.scalar_type() == at::kBFloat16 ? y : to_bfloat16(y);
     }
-    const bool bfloat16 = x.scalar_type() == at::kBFloat16;
-    const at::Tensor rows = (bfloat16 ? x : x.to(at::kFloat)).contiguous();
+    const at::Tensor rows = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
     at::Tensor y = at::empty({rows.size(0), out_features}, rows.options());
-    at::Tensor sums = bfloat16 && high_codes.has_value() ? at::empty(y.sizes(), y.options().dtype(at::kFloat)) : y;
     qrun_ops::quant_matmul_vnni(qrun_ops::vnni_planes(codes, scales, zeros, centers, group, out_features, high_codes,
                                                       high_scales, high_zeros, high_centers, k_high, input_digits,
                                                       read_streams),
-                                rows, y, sums);
+                                rows, y);
     return rows.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
@@ -499,27 +485,31 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
                                  static_cast<const int8_t*>(centers.data_ptr()), inputs};
     };
     VnniPlanes planes{plane(codes, scales, zeros, centers, k), {}, out_features, group, input_digits, read_streams};
-    if (high_codes) planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
+    if (!high_codes) return planes;
+    planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
+    TORCH_CHECK(qrun_quant_matmul_upper_digits(planes.low.scales, planes.high.scales, out_features, k, k_high, group) ==
+                    1,
+                "quant_matmul: the high plane's scales must be 16x the low plane's over its inputs (it holds the upper "
+                "4 bits of 5-8-bit codes, as qrun/quant.py's cpu_parts packs them)");
     return planes;
 }
 
-void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, at::Tensor& sums) {
-    const bool bfloat16 = x.scalar_type() == at::kBFloat16, two_planes = planes.high.codes != nullptr;
-    TORCH_CHECK((bfloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && y.dim() == 2 &&
-                    y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) &&
-                    y.size(1) == planes.n,
+void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y) {
+    TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
+                    x.is_contiguous() && y.dim() == 2 && y.is_contiguous() && y.scalar_type() == x.scalar_type() &&
+                    y.size(0) == x.size(0) && y.size(1) == planes.n,
                 "quant_matmul: x must be contiguous float32 or bfloat16 [rows, k] and y of its dtype [rows, ",
                 planes.n, "], got ", x.scalar_type(), " ", x.sizes(), " and ", y.scalar_type(), " ", y.sizes());
     TORCH_CHECK(x.size(1) == planes.low.k, "quant_matmul: x ", x.sizes(), " does not match the packed [", planes.n,
                 ", ", planes.low.k, "] weight");
-    TORCH_CHECK(!bfloat16 || !two_planes ||
-                    (sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.sizes() == y.sizes()),
-                "quant_matmul: sums must be contiguous float32 ", y.sizes());
-    at::Tensor& first = bfloat16 && two_planes ? sums : y;
-    multiply_plane(planes, planes.low, x, first, false);
-    if (!two_planes) return;
-    multiply_plane(planes, planes.high, x, first, true);
-    if (bfloat16) to_bfloat16_into(sums, y);
+    const bool bfloat16 = x.scalar_type() == at::kBFloat16;
+    const int status = qrun_quant_matmul(x.data_ptr(), bfloat16, x.stride(0), planes.low.codes, planes.low.scales,
+                                         planes.low.zeros, planes.low.centers, planes.high.codes, planes.high.zeros,
+                                         planes.high.centers, planes.high.k, y.data_ptr(), bfloat16, y.stride(0),
+                                         x.size(0), planes.n, planes.low.k, planes.group, planes.input_digits,
+                                         planes.read_streams, at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", planes.low.k, "] by a [",
+                planes.n, ", ", planes.low.k, "] weight in groups of ", planes.group, " (status ", status, ")");
 }
 
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {

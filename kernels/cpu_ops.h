@@ -52,9 +52,8 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
                        int64_t k_high, int64_t input_digits, int64_t read_streams);
 
 // The VNNI kernel's y = x W^T (+ x[:, :k_high] W_high^T) for float32 or bfloat16 x [rows, k] (contiguous) into y
-// [rows, n] of x's dtype: one plane's bfloat16 product rounds as it is stored; with a second plane both add into
-// float32 `sums` ([rows, n]; y itself for float32 x) and a bfloat16 y is their rounding.
-void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, at::Tensor& sums);
+// [rows, n] of x's dtype, its float32 sums rounded once to bfloat16 as they are stored.
+void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y);
 
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);

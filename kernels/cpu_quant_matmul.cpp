@@ -9,6 +9,9 @@
 //          vpdpbusd operand per nibble: a lane per output channel, 4 inputs per lane.
 // scales, zeros: float16 [N / 16][K / group][16], centers: int8 [K / 32] (one value per group):
 //          w = (code - center) * scale + zero.
+// A second plane over the first k_high inputs holds the upper digits of 5-8-bit codes, its scales 16x the low
+// plane's: the two digits multiply as one 8-bit code (vpdpbusd's unsigned operand), w = (16 high + low - (16
+// high_center + center)) * scale + zero + high_zero, at the instructions of one 4-bit plane.
 
 #include <cstdint>
 #include <cstring>
@@ -97,6 +100,11 @@ const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64
     return q;
 }
 
+// 16 float16 values as floats.
+inline __m512 load_halves(const uint16_t* at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
 // One plane of weights in the layout above: [n, k] in groups of `group` inputs.
 struct Weights {
     const uint8_t* codes;
@@ -104,6 +112,11 @@ struct Weights {
     const uint16_t* zeros;
     const int8_t* centers;
     int64_t n, k, group;
+    // the upper digits of 5-8-bit codes over the first k_high inputs (null: none), their scales 16x the low ones'
+    const uint8_t* high_codes;
+    const uint16_t* high_zeros;
+    const int8_t* high_centers;
+    int64_t k_high;
 };
 
 // 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (NaN too: 0x7FC0); one instruction with
@@ -117,21 +130,18 @@ inline __m256i to_bfloat16(__m512 values) {
 #endif
 }
 
-// Where a call writes: y [rows, n] with row stride ldy (float32, or bfloat16 rounded once from the float32 sums),
-// added to y's values when accumulating (float32 only).
+// Where a call writes: y [rows, n] with row stride ldy (float32, or bfloat16 rounded once from the float32 sums).
 struct Output {
     void* y;
     int64_t ldy;
-    bool accumulate, bfloat16;
-
-    float* floats() const { return static_cast<float*>(y); }
+    bool bfloat16;
 
     void store(int64_t row, int64_t tile, __m512 values) const {
         const int64_t at = row * ldy + tile * TILE_N;
         if (bfloat16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at), to_bfloat16(values));
         else
-            _mm512_storeu_ps(floats() + at, values);
+            _mm512_storeu_ps(static_cast<float*>(y) + at, values);
     }
 };
 
@@ -139,54 +149,70 @@ struct Output {
 // the R rows, whose int32 sums stay in registers. The T tiles are read side by side, as separate streams.
 template <int R, int T, bool two_digits>
 void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
-    const auto [codes, scales, zeros, centers, n, k, group] = weights;
+    const auto [codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers, k_high] = weights;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
+    const int64_t high_blocks = k_high / BLOCK_K, high_groups = k_high / group;
     __m512 total[T][R], group_total[T][R];
     const uint8_t* tile_codes[T];
+    const uint8_t* tile_high_codes[T];
     for (int t = 0; t < T; t++) {
         tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
+        tile_high_codes[t] = high_codes + tiles[t] * high_blocks * BLOCK_K * TILE_N / 2;
         for (int r = 0; r < R; r++) {
-            total[t][r] = out.accumulate ? _mm512_loadu_ps(out.floats() + (m0 + r) * out.ldy + tiles[t] * TILE_N)
-                                         : _mm512_setzero_ps();
-            group_total[t][r] = _mm512_setzero_ps();
+            total[t][r] = group_total[t][r] = _mm512_setzero_ps();
         }
     }
     const __m512i low_nibbles = _mm512_set1_epi8(15);
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int t = 0; t < T; t++) {
-            __m512i w[8];
-            for (int s = 0; s < 4; s++) {
-                const uint8_t* slice = tile_codes[t] + (b * 4 + s) * 64;
-                _mm_prefetch(reinterpret_cast<const char*>(slice + PREFETCH), _MM_HINT_T0);
-                const __m512i bytes = _mm512_loadu_si512(slice);
-                w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
-                w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
-            }
-            for (int r = 0; r < R; r++) {
-                const int64_t at = (m0 + r) * k + b * BLOCK_K, block = (m0 + r) * blocks + b;
-                const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
-                const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
-                __m512i high_dot = _mm512_setzero_si512(), low_dot = _mm512_setzero_si512();
-                for (int q = 0; q < 8; q++) {
-                    high_dot = _mm512_dpbusd_epi32(high_dot, w[q], _mm512_set1_epi32(high[q]));
-                    if constexpr (two_digits) low_dot = _mm512_dpbusd_epi32(low_dot, w[q], _mm512_set1_epi32(low[q]));
+    // Blocks [first, last): with the high plane, each weight an 8-bit code (its high digit's nibble above its low
+    // digit's) times the low plane's scale, centred on both planes' centres; the high plane's scale, 16x, is not read.
+    const auto multiply_blocks = [&]<bool upper>(int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; b++) {
+            for (int t = 0; t < T; t++) {
+                __m512i w[8];
+                for (int s = 0; s < 4; s++) {
+                    const uint8_t* slice = tile_codes[t] + (b * 4 + s) * 64;
+                    _mm_prefetch(reinterpret_cast<const char*>(slice + PREFETCH), _MM_HINT_T0);
+                    const __m512i bytes = _mm512_loadu_si512(slice);
+                    if constexpr (upper) {
+                        const uint8_t* high_slice = tile_high_codes[t] + (b * 4 + s) * 64;
+                        _mm_prefetch(reinterpret_cast<const char*>(high_slice + PREFETCH), _MM_HINT_T0);
+                        const __m512i high = _mm512_loadu_si512(high_slice);
+                        // bitwise select (0xCA): low_nibbles' bits from the second operand, the rest from the third
+                        w[2 * s] = _mm512_ternarylogic_epi32(low_nibbles, bytes, _mm512_slli_epi16(high, 4), 0xCA);
+                        w[2 * s + 1] = _mm512_ternarylogic_epi32(low_nibbles, _mm512_srli_epi16(bytes, 4), high, 0xCA);
+                    } else {
+                        w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
+                        w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+                    }
                 }
-                __m512 dot = _mm512_cvtepi32_ps(high_dot);
-                if constexpr (two_digits)
-                    dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot), _mm512_set1_ps(1.f / LOW_STEPS), dot);
-                group_total[t][r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x.block_scales[block]), group_total[t][r]);
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (m0 + r) * k + b * BLOCK_K, block = (m0 + r) * blocks + b;
+                    const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
+                    const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
+                    __m512i high_dot = _mm512_setzero_si512(), low_dot = _mm512_setzero_si512();
+                    for (int q = 0; q < 8; q++) {
+                        high_dot = _mm512_dpbusd_epi32(high_dot, w[q], _mm512_set1_epi32(high[q]));
+                        if constexpr (two_digits)
+                            low_dot = _mm512_dpbusd_epi32(low_dot, w[q], _mm512_set1_epi32(low[q]));
+                    }
+                    __m512 dot = _mm512_cvtepi32_ps(high_dot);
+                    if constexpr (two_digits)
+                        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot), _mm512_set1_ps(1.f / LOW_STEPS), dot);
+                    group_total[t][r] =
+                        _mm512_fmadd_ps(dot, _mm512_set1_ps(x.block_scales[block]), group_total[t][r]);
+                }
             }
-        }
-        if ((b + 1) % blocks_per_group == 0) {
+            if ((b + 1) % blocks_per_group) continue;
             const int64_t g = b / blocks_per_group;
             // (code - center) . x: centred codes, so x's rounding meets weights of at most half the
             // group's range (center x sum(x) is in the zeros, with x's float sums)
-            const float center = centers[b];
+            const float center = upper ? centers[b] + 16.f * high_centers[b] : centers[b];
             for (int t = 0; t < T; t++) {
                 const int64_t at = (tiles[t] * groups + g) * TILE_N;
-                const __m512 scale =
-                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-                const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)));
+                const __m512 scale = load_halves(scales + at);
+                __m512 zero = load_halves(zeros + at);
+                if constexpr (upper)
+                    zero = _mm512_add_ps(zero, load_halves(high_zeros + (tiles[t] * high_groups + g) * TILE_N));
                 for (int r = 0; r < R; r++) {
                     const __m512 centred = _mm512_sub_ps(
                         group_total[t][r], _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
@@ -197,7 +223,9 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 }
             }
         }
-    }
+    };
+    multiply_blocks.template operator()<true>(0, high_blocks);
+    multiply_blocks.template operator()<false>(high_blocks, blocks);
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) out.store(m0 + r, tiles[t], total[t][r]);
 }
@@ -275,8 +303,7 @@ struct Plane {
 // zero each rounded (no fused multiply-add: the exact float weights the reference gives).
 void dequantize_tile_block(const Plane& plane, int64_t group, int64_t tile, int64_t b, __m512 values[BLOCK_K]) {
     const int64_t blocks = plane.k / BLOCK_K, at = (tile * (plane.k / group) + b * BLOCK_K / group) * TILE_N;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.scales + at)));
-    const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
+    const __m512 scale = load_halves(plane.scales + at), zero = load_halves(plane.zeros + at);
     const __m512 center = _mm512_set1_ps(float(plane.centers[b]));
     const __m512i nibble = _mm512_set1_epi32(15);
     const uint8_t* block = plane.codes + (tile * blocks + b) * 4 * 64;
@@ -335,24 +362,48 @@ extern "C" int qrun_quant_matmul_available() {
 #endif
 }
 
-// y [M, N] (float32, or bfloat16 when y_bfloat16; row stride ldy) = x[:, :K] (float32, or bfloat16 when x_bfloat16;
-// row stride ldx) W^T, or y += it (accumulate, float32 y only), with x rounded to `input_digits` (1 or 2) int8 digits
-// per element; at one or two rows each thread reads `read_streams` (1, 2 or 4) runs of tiles side by side (the same
-// result whatever the count). 0: done; 1: shapes the layout does not cover (or a bfloat16 y to accumulate into, or
-// another stream count); 2: no kernel in this build.
+// 1 where the high plane's scales [N / 16][k_high / group][16] are 16x the low plane's [N / 16][K / group][16] over
+// its inputs, as the upper digits of 5-8-bit codes have them (qrun/quant.py's cpu_parts), so that qrun_quant_matmul
+// may multiply both digits as one 8-bit code; else 0 (2: no kernel in this build).
+extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint16_t* high_scales, int64_t n,
+                                              int64_t k, int64_t k_high, int64_t group) {
+#ifdef QRUN_HAS_VNNI
+    const int64_t groups = k / group, high_groups = k_high / group;
+    for (int64_t tile = 0; tile < n / TILE_N; tile++)
+        for (int64_t g = 0; g < high_groups; g++) {
+            const __m512 low = load_halves(scales + (tile * groups + g) * TILE_N);
+            const __m512 high = load_halves(high_scales + (tile * high_groups + g) * TILE_N);
+            if (_mm512_cmp_ps_mask(high, _mm512_mul_ps(low, _mm512_set1_ps(16.f)), _CMP_EQ_OQ) != 0xFFFF) return 0;
+        }
+    return 1;
+#else
+    return 2;
+#endif
+}
+
+// y [M, N] (float32, or bfloat16 when y_bfloat16; row stride ldy) = x[:, :K] W^T (x float32, or bfloat16 when
+// x_bfloat16; row stride ldx), with x rounded to `input_digits` (1 or 2) int8 digits per element. W: the low plane
+// (codes, scales, zeros, centers) over all K inputs plus, over the first k_high, the high plane's upper digits of
+// 5-8-bit codes (high_codes null: none; its scales, 16x the low plane's, are not read: checked once by
+// qrun_quant_matmul_upper_digits). At one or two rows each thread reads `read_streams` (1, 2 or 4) runs of tiles
+// side by side (the same result whatever the count). 0: done; 1: shapes the layout does not cover (or another
+// stream count); 2: no kernel in this build.
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
-                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers, void* y,
-                                 int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
-                                 int input_digits, int accumulate, int read_streams, int threads) {
+                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
+                                 const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
+                                 int64_t k_high, void* y, int y_bfloat16, int64_t ldy, int64_t rows, int64_t n,
+                                 int64_t k, int64_t group, int input_digits, int read_streams, int threads) {
 #ifdef QRUN_HAS_VNNI
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
-        (accumulate && y_bfloat16) || (read_streams != 1 && read_streams != 2 && read_streams != 4))
+        (high_codes && (k_high % group || k_high < 0 || k_high > k)) ||
+        (read_streams != 1 && read_streams != 2 && read_streams != 4))
         return 1;
     const QuantizedRows& quantized =
         x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2, threads)
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2, threads);
-    const Weights weights{codes, scales, zeros, centers, n, k, group};
-    const Output out{y, ldy, accumulate != 0, y_bfloat16 != 0};
+    const Weights weights{codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers,
+                          high_codes ? k_high : 0};
+    const Output out{y, ldy, y_bfloat16 != 0};
     if (input_digits == 2)
         quant_matmul<true>(quantized, rows, weights, out, read_streams, threads);
     else

@@ -47,7 +47,10 @@ Layout (`pack`): codes [N / 16][K / 32][4][16][4] bytes: for a tile of 16 channe
 nibble) and 8s + 4 + j (high nibble); scales and zeros float16 [N / 16][K / group][16]; centers
 int8 [K / 32] (one value per group): w = (code - center) * scale + zero. A second plane
 (`high_*`) adds the upper digits of 5-8-bit codes over the first `k_high` inputs
-(CpuQuantMatmul's split: qrun/quant.py).
+(CpuQuantMatmul's split: qrun/quant.py), its scales 16x the low plane's (checked where the
+planes meet the kernel): the VNNI kernel multiplies the two digits as one 8-bit code (vpdpbusd's
+unsigned operand) at the instructions of one plane. SmolLM2's 6-bit head (49152 x 576, two input
+digits) took 13.2 ms at 64 rows against 23.5 as two passes, and 0.83 against 0.91 at one row.
 """
 
 from __future__ import annotations

@@ -163,9 +163,9 @@ class QuantLinear(nn.Module):
             m = mins[gi] if mins is not None else -(1 << (b - 1)) * s
             low.append(codes & 15)  # the kernel computes (code - 8) * scale + zero
             low_sz.append(torch.stack([s, m + 8 * s], -1))
-            if b > 4:  # the upper digit: (code >> 4) * 16 s
-                high.append(codes >> 4)
-                high_sz.append(torch.stack([16 * s, 128 * s], -1))
+            if b > 4:  # the upper digit: (code >> 4) * 16 s, with s as the VNNI kernel keeps it (float16): exactly 16x
+                high.append(codes >> 4)  # the low digit's scale, so it multiplies both digits as one 8-bit code
+                high_sz.append(torch.stack([16 * s.half().float(), 128 * s], -1))
 
         def plane(codes, scale_zero):
             if not codes:

@@ -32,17 +32,17 @@ def weights(draw):
     return n, k, group, k_high, seed
 
 
-def planes(n: int, k: int, group: int, k_high: int, seed: int):
+def planes(n: int, k: int, group: int, k_high: int, seed: int, high_scale: float = 16.0):
+    """A low plane over k inputs and a high one over the first k_high: the upper digits of 8-bit codes, whose scales
+    are `high_scale` (16: as packed) times the low digits'."""
     g = torch.Generator().manual_seed(seed)
 
-    def plane(width):
-        if width == 0:
-            return None, None, None, None
-        codes = torch.randint(0, 16, (n, width), generator=g)
-        scales = torch.rand(n, width // group, generator=g) * 0.1 + 0.01
-        return cqm.pack(codes, scales, torch.randn(n, width // group, generator=g) * 0.1)
+    def plane(scales):
+        codes = torch.randint(0, 16, scales.shape[:1] + (scales.shape[1] * group,), generator=g)
+        return cqm.pack(codes, scales, torch.randn(scales.shape, generator=g) * 0.1)
 
-    return plane(k), plane(k_high)
+    scales = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).half().float()
+    return plane(scales), plane(high_scale * scales[:, :k_high // group]) if k_high else (None,) * 4
 
 
 def problem(shape, rows: int):
@@ -130,6 +130,14 @@ def test_every_read_stream_count_gives_the_same_product(shape, rows, digits):
     n, k, group, k_high, _ = shape
     products = [op(x, low, group, n, high, k_high, digits, read_streams=streams) for streams in cqm.READ_STREAMS]
     assert all(torch.equal(product, products[0]) for product in products[1:])
+
+
+def test_a_high_plane_that_is_not_the_upper_digits_is_refused_by_name():
+    """The VNNI kernel multiplies both digits as one 8-bit code at the low plane's scale."""
+    n, k, group = 32, 64, 32
+    low, high = planes(n, k, group, 32, 0, high_scale=15.0)
+    with pytest.raises(RuntimeError, match="high plane's scales must be 16x the low plane's"):
+        op(torch.randn(2, k).to(torch.bfloat16), low, group, n, high, 32)
 
 
 def test_a_read_stream_count_the_kernel_lacks_is_rejected_naming_the_choices():
