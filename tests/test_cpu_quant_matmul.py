@@ -69,10 +69,11 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
                          ids=["vnni", "amx-codes", "amx-weights"])
 @settings(max_examples=20, deadline=None)
 @example(shape=(64, 512, 128, 128, 1), rows=40, digits=2)  # 20,480 inputs: quantized by both threads
+@example(shape=(32, 512, 128, 128, 2), rows=140, digits=1)  # past 126 rows: more than one block of rows
 @given(weights(), st.integers(2, 70), st.sampled_from([1, 2]))
 def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows, shape, rows, digits):
-    """VNNI: rows in groups of 6; AMX: rows 1-16, 17-32 and a zero-padded copy of those past the last 32.
-    From 16,384 inputs the rows are quantized on every thread."""
+    """VNNI: rows in groups of 6 (4 with two digits), in blocks of 64 KB of inputs; AMX: rows 1-16, 17-32 and a
+    zero-padded copy of those past the last 32. From 16,384 inputs the rows are quantized on every thread."""
     n, k, group, k_high, _ = shape
     low, high, x = problem(shape, rows)
     kernel = dict(digits=digits, tile_rows=tile_rows, tile_dequantize_rows=tile_dequantize_rows)
