@@ -487,10 +487,10 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
     VnniPlanes planes{plane(codes, scales, zeros, centers, k), {}, out_features, group, input_digits, read_streams};
     if (!high_codes) return planes;
     planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
-    TORCH_CHECK(qrun_quant_matmul_upper_digits(planes.low.scales, planes.high.scales, out_features, k, k_high, group) ==
-                    1,
-                "quant_matmul: the high plane's scales must be 16x the low plane's over its inputs (it holds the upper "
-                "4 bits of 5-8-bit codes, as qrun/quant.py's cpu_parts packs them)");
+    const bool upper_digits =
+        qrun_quant_matmul_upper_digits(planes.low.scales, planes.high.scales, out_features, k, k_high, group) == 1;
+    TORCH_CHECK(upper_digits, "quant_matmul: the high plane's scales must be 16x the low plane's over its inputs (it "
+                "holds the upper 4 bits of 5-8-bit codes, as qrun/quant.py's cpu_parts packs them)");
     return planes;
 }
 
