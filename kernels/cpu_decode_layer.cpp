@@ -477,24 +477,46 @@ class DecodeStack : public torch::CustomClassHolder {
     }
 
     // float32 logits [rows, vocab] (a new tensor) of token ids [rows] at their positions, as the eager model's
-    // forward and compute_logits give them. half_gemv: dense linears may take their float16 GEMV (at most GEMV_ROWS
-    // rows); where one's value passes float16's range, it reaches its row's logits (the final norm of an infinity is
-    // NaN), and the step runs again on the bfloat16 weights, as qrun/model_runner.py reruns the torch model's.
-    at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                       bool half_gemv) {
+    // forward and compute_logits give them. The step's layout comes as qrun/model.py's StepLayout holds it, lists
+    // (block_tables flat, rows of table_width): tensors made from them in Python cost ~0.1 ms a step at batch 1,
+    // where the caches are cold after the weights have streamed through them. half_gemv: dense linears may take
+    // their float16 GEMV (at most GEMV_ROWS rows); where one's value passes float16's range, it reaches its row's
+    // logits (the final norm of an infinity is NaN), and the step runs again on the bfloat16 weights, as
+    // qrun/model_runner.py reruns the torch model's.
+    at::Tensor forward(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                       const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
+                       int64_t table_width, const std::vector<int64_t>& seq_lens,
+                       const std::vector<int64_t>& query_start_loc, bool half_gemv) {
         TORCH_CHECK(head_.kind >= 0, "DecodeStack: set_head first");
-        const StepMeta meta{positions.to(at::kLong).contiguous(), slot_mapping.to(at::kLong).contiguous(),
-                            block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
-                            query_start_loc.to(at::kInt).contiguous()};
-        const at::Tensor token_ids = ids.to(at::kLong).contiguous();
-        const at::Tensor logits = step(token_ids, meta, half_gemv);
-        const bool took_half_gemv = half_gemv && may_take_half_gemv_ && token_ids.numel() <= GEMV_ROWS;
-        return took_half_gemv && !all_finite(logits) ? step(token_ids, meta, false) : logits;
+        const size_t rows = ids.size(), seqs = seq_lens.size();
+        TORCH_CHECK(rows > 0 && positions.size() == rows && slot_mapping.size() == rows &&
+                        query_start_loc.size() == seqs + 1 && table_width > 0 &&
+                        block_tables.size() == seqs * size_t(table_width),
+                    "DecodeStack.forward: ids, positions and slot_mapping need one value a row, query_start_loc "
+                    "one more than seq_lens, block_tables table_width a sequence");
+        const StepMeta meta{tensor_of(positions, {int64_t(rows)}, at::kLong),
+                            tensor_of(slot_mapping, {int64_t(rows)}, at::kLong),
+                            tensor_of(block_tables, {int64_t(seqs), table_width}, at::kInt),
+                            tensor_of(seq_lens, {int64_t(seqs)}, at::kInt),
+                            tensor_of(query_start_loc, {int64_t(seqs) + 1}, at::kInt)};
+        const at::Tensor logits = step(ids, meta, half_gemv);
+        const bool took_half_gemv = half_gemv && may_take_half_gemv_ && rows <= GEMV_ROWS;
+        return took_half_gemv && !all_finite(logits) ? step(ids, meta, false) : logits;
     }
 
   private:
-    at::Tensor step(const at::Tensor& ids, const StepMeta& meta, bool half_gemv) {
+    // `values` as a new tensor of `shape` and dtype (int64 or int32).
+    static at::Tensor tensor_of(const std::vector<int64_t>& values, at::IntArrayRef shape, at::ScalarType dtype) {
+        at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
+        if (dtype == at::kLong)
+            std::copy(values.begin(), values.end(), out.data_ptr<int64_t>());
+        else
+            std::transform(values.begin(), values.end(), out.data_ptr<int32_t>(),
+                           [](int64_t v) { return static_cast<int32_t>(v); });
+        return out;
+    }
+
+    at::Tensor step(const std::vector<int64_t>& ids, const StepMeta& meta, bool half_gemv) {
         at::Tensor x = embed(ids);
         // zeros, as the eager model's first residual: the first layer adds it
         at::Tensor residual = workspace_.get(Workspace::RESIDUAL, x.size(0), x.size(1), x.scalar_type()).zero_();
@@ -514,17 +536,16 @@ class DecodeStack : public torch::CustomClassHolder {
         return !any_not_finite;
     }
 
-    // The embedding's rows of ids (int64, contiguous), into the workspace.
-    at::Tensor embed(const at::Tensor& ids) {
-        const int64_t rows = ids.numel(), vocab = embedding_.size(0);
+    // The embedding's rows of ids, into the workspace.
+    at::Tensor embed(const std::vector<int64_t>& ids) {
+        const int64_t rows = ids.size(), vocab = embedding_.size(0);
         at::Tensor x = workspace_.get(Workspace::EMBEDDED, rows, embedding_.size(1), embedding_.scalar_type());
         const int64_t row_bytes = embedding_.size(1) * embedding_.element_size();
-        const int64_t* id = ids.data_ptr<int64_t>();
         for (int64_t r = 0; r < rows; r++) {
-            TORCH_CHECK(id[r] >= 0 && id[r] < vocab, "DecodeStack: token id ", id[r], " is outside the ", vocab,
+            TORCH_CHECK(ids[r] >= 0 && ids[r] < vocab, "DecodeStack: token id ", ids[r], " is outside the ", vocab,
                         " embeddings");
             std::memcpy(static_cast<char*>(x.data_ptr()) + r * row_bytes,
-                        static_cast<const char*>(embedding_.data_ptr()) + id[r] * row_bytes, row_bytes);
+                        static_cast<const char*>(embedding_.data_ptr()) + ids[r] * row_bytes, row_bytes);
         }
         return x;
     }

@@ -26,7 +26,7 @@ from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.cpu_attention import HEAD_DIMS
 from qrun.kernels.cpu_rotation import odd_factor
 from qrun.kv_cache import KVCache, LayerKV
-from qrun.model import AttentionMetadata, DecoderLayer, Transformer
+from qrun.model import DecoderLayer, StepLayout, Transformer
 from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear
 
 # Linear kinds of cpu_decode_layer.cpp
@@ -119,11 +119,12 @@ class DecodeModel:
         stack.set_head(*head)
         return cls(stack)
 
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def logits(self, ids: list[int], positions: list[int], layout: StepLayout,
                half_gemv: bool = True) -> torch.Tensor:
         """float32 logits [rows, vocab] of a step in which every sequence decodes one token: what
         `Transformer.compute_logits` gives for `Transformer.forward`'s rows. `half_gemv`: dense
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
         case); a step in which one passes float16's range runs again without it, in the same call."""
-        return self.stack.forward(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, half_gemv)
+        tables = layout.block_tables
+        return self.stack.forward(ids, positions, layout.slot_mapping, [block for table in tables for block in table],
+                                  len(tables[0]), layout.seq_lens, layout.query_start_loc, half_gemv)

@@ -20,6 +20,34 @@ from qrun.kv_cache import KVCache, LayerKV
 
 
 @dataclass
+class StepLayout:
+    """Where a flat batch's sequences lie, as lists: what `AttentionMetadata` holds as tensors. The
+    C++ decode step (qrun/cpu_decode.py) takes the lists themselves."""
+
+    slot_mapping: list[int]  # [T] cache slot of each new token's K/V
+    block_tables: list[list[int]]  # [S][max_blocks], padded with block 0 to one width
+    seq_lens: list[int]  # [S] context length including the new tokens
+    query_start_loc: list[int]  # [S + 1]
+
+    @classmethod
+    def of(cls, spans: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
+           compiled: bool = False) -> "StepLayout":
+        """The layout of a step where sequence s computes positions spans[s] = (start, end) and
+        keeps its K/V in the blocks block_tables[s]. `compiled`: for the compiled decode layer,
+        whose graphs expect tables two blocks wide or more (a graph would otherwise specialise on
+        width 1 and compile once more)."""
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        for (start, end), table in zip(spans, block_tables):
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + end - start)
+        width = max(2 if compiled else 1, *(len(table) for table in block_tables))
+        return cls(slots, [table + [0] * (width - len(table)) for table in block_tables], seq_lens, query_start)
+
+
+@dataclass
 class AttentionMetadata:
     """Where a flat batch's sequences lie, in the layout `kernels.paged_attention` documents."""
 
@@ -34,24 +62,19 @@ class AttentionMetadata:
     def build(cls, spans: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu", compiled: bool = False) -> "AttentionMetadata":
         """Metadata for a step where sequence s computes positions spans[s] = (start, end) and
-        keeps its K/V in the blocks block_tables[s] (tables padded with block 0 to one width).
-        `compiled`: for the compiled decode layer, whose graphs expect tables two blocks wide or
-        more (a graph would otherwise specialise on width 1 and compile once more)."""
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        for (start, end), table in zip(spans, block_tables):
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + end - start)
-        width = max(2 if compiled else 1, *(len(table) for table in block_tables))
-        padded = [table + [0] * (width - len(table)) for table in block_tables]
+        keeps its K/V in the blocks block_tables[s] (`StepLayout.of`'s arguments)."""
+        return cls.of(StepLayout.of(spans, block_tables, block_size, compiled), device)
 
+    @classmethod
+    def of(cls, layout: StepLayout, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """`layout` as tensors on `device`."""
         def tensor(values, dtype=torch.int32):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(tensor(slots, torch.int64), tensor(padded), tensor(seq_lens), tensor(query_start),
-                   max(end - start for start, end in spans), max(seq_lens))
+        starts = layout.query_start_loc
+        return cls(tensor(layout.slot_mapping, torch.int64), tensor(layout.block_tables), tensor(layout.seq_lens),
+                   tensor(starts), max(end - start for start, end in zip(starts, starts[1:])),
+                   max(layout.seq_lens))
 
 
 class Attention(nn.Module):

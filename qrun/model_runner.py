@@ -12,7 +12,7 @@ from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.kernels import backend
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_calibration
-from qrun.model import AttentionMetadata
+from qrun.model import AttentionMetadata, StepLayout
 from qrun.scheduler import ScheduledBatch
 from qrun.sequence import Sequence
 
@@ -70,13 +70,14 @@ class ModelRunner:
                 sampling.append(seq)
         decode = self.decode_model is not None and all(end - start == 1 for start, end in spans)
         layers = self.compiled.layers_for(spans) if self.compiled is not None else None  # never beside decode_model
-        meta = AttentionMetadata.build(spans, [seq.block_table for seq in batch.seqs], self.block_size, self.device,
-                                       compiled=layers is not None)
+        layout = StepLayout.of(spans, [seq.block_table for seq in batch.seqs], self.block_size,
+                               compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
-        ids, positions = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (input_ids, positions))
         if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
-            logits = self.decode_model.logits(ids, positions, meta)
+            logits = self.decode_model.logits(input_ids, positions, layout)
             return logits if len(sample_rows) == len(input_ids) else logits[sample_rows], sampling
+        meta = AttentionMetadata.of(layout, self.device)
+        ids, positions = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (input_ids, positions))
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
 
         def forward(layers) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,7 +14,7 @@ from qrun.convert.main import convert
 from qrun.cpu_decode import DecodeModel
 from qrun.cpu_linear import bfloat16_only
 from qrun.kernels import cpu_library, cpu_quant_matmul
-from qrun.model import AttentionMetadata
+from qrun.model import AttentionMetadata, StepLayout
 from tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
@@ -35,7 +35,8 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
     lengths = torch.randint(1, 3 * block_size, (batch,), generator=g).tolist()
     width = -(-max(lengths) // block_size)
     tables = [[1 + s * width + i for i in range(width)] for s in range(batch)]
-    meta = AttentionMetadata.build([(n - 1, n) for n in lengths], tables, block_size)
+    layout = StepLayout.of([(n - 1, n) for n in lengths], tables, block_size)
+    meta = AttentionMetadata.of(layout)
     ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g)
     positions = torch.tensor([n - 1 for n in lengths])
     with torch.inference_mode():
@@ -50,7 +51,7 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
                 tensor.normal_(generator=g)
         results = []
         for step in (lambda: model.compute_logits(model(ids, positions, meta, cache)),
-                     lambda: runner.decode_model.logits(ids, positions, meta, half_gemv)):
+                     lambda: runner.decode_model.logits(ids.tolist(), positions.tolist(), layout, half_gemv)):
             logits = step()
             results.append((logits, [t.clone() for t in cache.tensors()]))
     return results
@@ -154,10 +155,10 @@ def test_cpu_decode_step_stores_and_reads_a_quantized_cache_as_the_torch_model(t
 def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
     runner = engine(tiny_llama64_dir).engine.runner
     vocab = runner.model.config.vocab_size
-    meta = AttentionMetadata.build([(0, 1)], [[1]], runner.block_size)
+    layout = StepLayout.of([(0, 1)], [[1]], runner.block_size)
     refused = f"token id {vocab} is outside the {vocab} embeddings"
     with torch.inference_mode(), pytest.raises(RuntimeError, match=refused):
-        runner.decode_model.logits(torch.tensor([vocab]), torch.tensor([0]), meta)
+        runner.decode_model.logits([vocab], [0], layout)
 
 
 def test_heads_without_a_cpp_attention_keep_the_torch_model(tiny_llama_dir):
