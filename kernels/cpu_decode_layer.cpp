@@ -109,7 +109,8 @@ struct Linear {
     std::vector<at::Tensor> weights;
     std::optional<at::Tensor> bias, perm, signs, odd_factor;
     int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
-    // QUANT: the op's kernel choice by rows and its streams at one or two (cpu_quant_matmul.py)
+    // QUANT: the op's kernel choice by rows (cpu_quant_matmul.py); QUANT and HALF_GEMV*: the streams each thread
+    // reads at one or two rows (read_streams.py)
     int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0;
     qrun_ops::VnniPlanes vnni;  // QUANT: the weights as the VNNI kernel reads them, checked once
 
@@ -169,7 +170,7 @@ struct Linear {
                 if (half_gemv && rows <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
                     at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
                     qrun_ops::half_gemv_into(in, weights[0], weights.size() > 2 ? Optional(weights[2]) : std::nullopt,
-                                             y);
+                                             read_streams, y);
                     return y;
                 }
                 return kind == HALF_GEMV_PACKED ? onednn(in) : at::linear(in, weights[1], bias);

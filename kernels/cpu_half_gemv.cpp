@@ -34,10 +34,10 @@ inline void store(void* y, int kind, int64_t i, float value) {
 }
 
 constexpr int64_t MAX_ROWS = 4;
-// Weight rows read together by a thread, each from its own quarter of the thread's rows: a core keeps more reads in
-// flight over several sequential streams than over one (4 vs 1: 23.5 vs 19.4 GB/s reading SmolLM2's float16
-// weights matrix by matrix on two Xeon cores, 29.7 vs 23.1 from one large buffer).
-constexpr int64_t STREAMS = 4;
+// A thread reads STREAMS weight rows together, each from its own part of the thread's rows: a core keeps more reads in
+// flight over several sequential streams than over one, and how many it reads fastest differs by CPU (4 vs 1: 23.5 vs
+// 19.4 GB/s reading SmolLM2's float16 weights matrix by matrix on two Xeon cores; 2 beat 4 on a 2-core EPYC), so the
+// count is a parameter (kernels/read_streams.py measures it at load).
 constexpr int64_t PREFETCH = 1024;  // weights (2 KiB) ahead of each stream
 
 inline float dot_tail(const uint16_t* w, const float* x, int64_t from, int64_t k) {
@@ -48,7 +48,7 @@ inline float dot_tail(const uint16_t* w, const float* x, int64_t from, int64_t k
 
 // sums[s * ROWS + r] = W[channels[s], :] . x[r, :] for STREAMS channels of W, read side by side. Fixed counts, so
 // the accumulators stay in registers.
-template <int64_t ROWS>
+template <int64_t ROWS, int64_t STREAMS>
 void dot_channels(const uint16_t* w, const int64_t* channels, int64_t k, const float* x, float* sums) {
     int64_t start = 0;
 #if defined(__AVX512F__)
@@ -74,7 +74,7 @@ void dot_channels(const uint16_t* w, const int64_t* channels, int64_t k, const f
         for (int64_t r = 0; r < ROWS; r++) sums[s * ROWS + r] += dot_tail(w + channels[s] * k, x + r * k, start, k);
 }
 
-template <int64_t ROWS>
+template <int64_t ROWS, int64_t STREAMS>
 void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y, int kind, int64_t ldy, int64_t n,
                int64_t k, int threads) {
     const auto finish = [&](int64_t channel, float sum, int64_t r) {
@@ -83,27 +83,39 @@ void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y,
 #pragma omp parallel num_threads(threads)
     {
         const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-        const int64_t first = n * part / parts, last = n * (part + 1) / parts, quarter = (last - first) / STREAMS;
+        const int64_t first = n * part / parts, last = n * (part + 1) / parts, share = (last - first) / STREAMS;
         float sums[STREAMS * ROWS];
-        for (int64_t j = 0; j < quarter; j++) {
+        for (int64_t j = 0; j < share; j++) {
             int64_t channels[STREAMS];
-            for (int64_t s = 0; s < STREAMS; s++) channels[s] = first + s * quarter + j;
-            dot_channels<ROWS>(w, channels, k, x, sums);
+            for (int64_t s = 0; s < STREAMS; s++) channels[s] = first + s * share + j;
+            dot_channels<ROWS, STREAMS>(w, channels, k, x, sums);
             for (int64_t s = 0; s < STREAMS; s++)
                 for (int64_t r = 0; r < ROWS; r++) finish(channels[s], sums[s * ROWS + r], r);
         }
-        for (int64_t channel = first + STREAMS * quarter; channel < last; channel++)  // the last few
+        for (int64_t channel = first + STREAMS * share; channel < last; channel++)  // the last few
             for (int64_t r = 0; r < ROWS; r++) finish(channel, dot_tail(w + channel * k, x + r * k, 0, k), r);
     }
+}
+
+template <int64_t ROWS>
+void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y, int kind, int64_t ldy, int64_t n,
+               int64_t k, int streams, int threads) {
+    if (streams == 1) return half_gemv<ROWS, 1>(x, w, bias, y, kind, ldy, n, k, threads);
+    if (streams == 2) return half_gemv<ROWS, 2>(x, w, bias, y, kind, ldy, n, k, threads);
+    half_gemv<ROWS, 4>(x, w, bias, y, kind, ldy, n, k, threads);
 }
 
 }  // namespace
 
 // x: [rows, k] float32 (kind 0) or bfloat16 (kind 1), rows ldx elements apart; w: float16 [n, k]; bias: float16
-// [n] or null; y: [rows, n] in x's kind, rows ldy apart. Returns 0, or 1 for more than MAX_ROWS rows.
+// [n] or null; y: [rows, n] in x's kind, rows ldy apart; each thread reads read_streams (1, 2 or 4) runs of W's rows
+// side by side (the same result whatever the count). Returns 0, or 1 for more than MAX_ROWS rows or another stream
+// count.
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
-                              int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || (kind != QRUN_F32 && kind != QRUN_BF16)) return 1;
+                              int64_t ldy, int64_t rows, int64_t n, int64_t k, int read_streams, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || (kind != QRUN_F32 && kind != QRUN_BF16) ||
+        (read_streams != 1 && read_streams != 2 && read_streams != 4))
+        return 1;
     std::vector<float> inputs(rows * k);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < k; i++) {
@@ -115,10 +127,10 @@ extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16
             }
         }
     switch (rows) {
-        case 1: half_gemv<1>(inputs.data(), w, bias, y, kind, ldy, n, k, threads); break;
-        case 2: half_gemv<2>(inputs.data(), w, bias, y, kind, ldy, n, k, threads); break;
-        case 3: half_gemv<3>(inputs.data(), w, bias, y, kind, ldy, n, k, threads); break;
-        default: half_gemv<4>(inputs.data(), w, bias, y, kind, ldy, n, k, threads); break;
+        case 1: half_gemv<1>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        case 2: half_gemv<2>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        case 3: half_gemv<3>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        default: half_gemv<4>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
     }
     return 0;
 }

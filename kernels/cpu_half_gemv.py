@@ -2,10 +2,11 @@
 bfloat16 models (`qrun/cpu_linear.py` keeps a float16 copy of each weight for it).
 
 At one row a linear is bound by reading W. torch's float16 GEMV (the reference below) read a
-3072 x 576 weight in ~150 us on a 2-core EPYC; `cpu_half_gemv.cpp` streams W's rows four at a
-time per thread, converting 16 values per instruction and accumulating in float32, with the
-inputs kept in float32 (the reference rounds them to float16 first) and the output rounded once to
-the input's dtype (the reference rounds it to float16 first, then to bfloat16).
+3072 x 576 weight in ~150 us on a 2-core EPYC; `cpu_half_gemv.cpp` streams W's rows in one, two
+or four runs side by side per thread (`read_streams.py` measures which is fastest), converting 16
+values per instruction and accumulating in float32, with the inputs kept in float32 (the reference
+rounds them to float16 first) and the output rounded once to the input's dtype (the reference
+rounds it to float16 first, then to bfloat16).
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qrun.kernels.read_streams import DEFAULT_READ_STREAMS
+
 MAX_ROWS = 4  # cpu_half_gemv.cpp
 
 
-def half_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b in x's dtype, W float16 [N, K] (bias float16 [N] or None)."""
+def half_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  read_streams: int = DEFAULT_READ_STREAMS) -> torch.Tensor:
+    """y = x W^T + b in x's dtype, W float16 [N, K] (bias float16 [N] or None; the streams change
+    only the order in which the kernel reads W)."""
     return F.linear(x.to(torch.float16), weight, bias).to(x.dtype)
 
 
-def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`half_gemv_ref` through the C++ kernel (float32 or bfloat16 x of up to MAX_ROWS rows), else
-    through the reference."""
+def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              read_streams: int = DEFAULT_READ_STREAMS) -> torch.Tensor:
+    """`half_gemv_ref` through the C++ kernel (float32 or bfloat16 x of up to MAX_ROWS rows), each
+    thread reading `read_streams` runs of W's rows side by side; else through the reference."""
     if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
         return half_gemv_ref(x, weight, bias)
-    return torch.ops.qrun.half_gemv(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+    return torch.ops.qrun.half_gemv(x if x.stride(-1) == 1 else x.contiguous(), weight, bias, read_streams)

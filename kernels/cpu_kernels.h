@@ -173,7 +173,7 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
 extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint16_t* high_scales, int64_t n,
                                               int64_t k, int64_t k_high, int64_t group);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
-                              int64_t ldy, int64_t rows, int64_t n, int64_t k, int threads);
+                              int64_t ldy, int64_t rows, int64_t n, int64_t k, int read_streams, int threads);
 extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out, const int64_t* positions,
                                  const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads);
 extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,

@@ -237,13 +237,14 @@ at::Tensor reflect(const at::Tensor& x, const at::Tensor& u) {
     return out;
 }
 
-at::Tensor half_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor half_gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     int64_t read_streams) {
     at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-    qrun_ops::half_gemv_into(x, weight, bias, y);
+    qrun_ops::half_gemv_into(x, weight, bias, read_streams, y);
     return y;
 }
 
-at::Tensor half_gemv_shape(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&) {
+at::Tensor half_gemv_shape(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&, int64_t) {
     return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
 }
 
@@ -440,7 +441,8 @@ void gather_columns_into(const at::Tensor& x, const at::Tensor& index, at::Tenso
                     static_cast<uint32_t*>(out.data_ptr()), x.size(0));
 }
 
-void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optional& bias, at::Tensor& y) {
+void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optional& bias, int64_t read_streams,
+                    at::Tensor& y) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                 "half_gemv: x must be float32 or bfloat16 [rows, k] with contiguous rows, got ", x.scalar_type(), " ",
                 x.sizes());
@@ -453,10 +455,13 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
                     y.size(1) == weight.size(0),
                 "half_gemv: y must be ", x.scalar_type(), " [", x.size(0), ", ", weight.size(0),
                 "] with contiguous rows");
+    TORCH_CHECK(read_streams == 1 || read_streams == 2 || read_streams == 4,
+                "half_gemv: read_streams must be 1, 2 or 4, got ", read_streams);
     const int status = qrun_half_gemv(x.data_ptr(), x.scalar_type() == at::kFloat ? 0 : 1, x.stride(0),
                                       static_cast<const uint16_t*>(weight.data_ptr()),
                                       bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr, y.data_ptr(),
-                                      y.stride(0), x.size(0), weight.size(0), x.size(1), at::get_num_threads());
+                                      y.stride(0), x.size(0), weight.size(0), x.size(1), int(read_streams),
+                                      at::get_num_threads());
     TORCH_CHECK(status == 0, "half_gemv: ", x.size(0), " rows; it multiplies 1 to 4");
 }
 
@@ -571,7 +576,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
     m.def("first_max(Tensor rows) -> Tensor");
-    m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
     m.def("store_kv_quantized(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "

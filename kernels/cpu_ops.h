@@ -25,8 +25,10 @@ void rotate_into(const at::Tensor& x, const at::Tensor& signs, const Optional& o
 // out [rows, index.numel()] (contiguous, x's dtype) = x[:, index]: act order's input gather.
 void gather_columns_into(const at::Tensor& x, const at::Tensor& index, at::Tensor& out);
 
-// y [rows, n] (contiguous, x's dtype) = x W^T (+ bias) with a float16 W, 1 to 4 rows: kernels/cpu_half_gemv.cpp.
-void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optional& bias, at::Tensor& y);
+// y [rows, n] (contiguous, x's dtype) = x W^T (+ bias) with a float16 W, 1 to 4 rows, each thread reading
+// read_streams (1, 2 or 4) runs of W's rows side by side: kernels/cpu_half_gemv.cpp.
+void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optional& bias, int64_t read_streams,
+                    at::Tensor& y);
 
 // Whether quant_matmul multiplies x's rows on the VNNI kernel (not AMX tiles or oneDNN; see its thresholds).
 bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequantize_rows);

@@ -57,18 +57,14 @@ digits) took 13.2 ms at 64 rows against 23.5 as two passes, and 0.83 against 0.9
 from __future__ import annotations
 
 import functools
-import statistics
-import time
-from typing import Callable
 
 import torch
 
 from qrun.kernels import cpu_int4, cpu_library
+from qrun.kernels.read_streams import DEFAULT_READ_STREAMS
 
 TILE_N, BLOCK_K = 16, 32
 TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 1024  # tile_rows(), dequantize_rows()
-# Runs of channel tiles each thread reads side by side at one or two rows (`fastest_read_streams`)
-READ_STREAMS, DEFAULT_READ_STREAMS = (1, 2, 4), 4
 
 
 @functools.cache
@@ -206,7 +202,7 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
     rounded to `input_digits` int8 digits (1 or 2), its float32 sums rounded to bfloat16 as it stores
     them where one plane multiplies bfloat16 rows (no float32 output and second pass: ~1 us a call
     at one row), each thread reading `read_streams` runs of weights side by side at one or two rows
-    (`fastest_read_streams`); bfloat16 rows from `tile_rows()` rows on the
+    (`read_streams.py`); bfloat16 rows from `tile_rows()` rows on the
     AMX kernel (x as it is; in weights mode from `tile_dequantize_rows()` rows), from
     `dequantize_rows()` on oneDNN on the dequantized weight (the op decides; the C++ decode layer
     passes it the same thresholds)."""
@@ -214,23 +210,3 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
                                        high_zeros, high_centers, k_high, input_digits, tile_rows(),
                                        tile_dequantize_rows(group, high_codes is not None), dequantize_rows(),
                                        read_streams)
-
-
-def fastest_read_streams(sweep: Callable[[int], object], repeats: int = 5, margin: float = 0.03) -> int:
-    """The count of READ_STREAMS under which `sweep(read_streams)` (a model's one-row products, as a
-    decode step runs them) is fastest by its median over `repeats` timed runs, the counts
-    interleaved after one untimed run each; DEFAULT_READ_STREAMS unless another beats it by
-    `margin`. At one or two rows the product is bound by reading the weights, and how many
-    sequential streams a core reads fastest differs by CPU (cpu_quant_matmul.cpp's few_rows), so
-    it is measured, not assumed. The streams change no result, only speed."""
-    for streams in READ_STREAMS:
-        sweep(streams)
-    times: dict[int, list[float]] = {streams: [] for streams in READ_STREAMS}
-    for _ in range(repeats):
-        for streams in READ_STREAMS:
-            start = time.perf_counter()
-            sweep(streams)
-            times[streams].append(time.perf_counter() - start)
-    median = {streams: statistics.median(values) for streams, values in times.items()}
-    best = min(median, key=median.__getitem__)
-    return best if median[best] < (1 - margin) * median[DEFAULT_READ_STREAMS] else DEFAULT_READ_STREAMS

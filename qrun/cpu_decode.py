@@ -63,7 +63,7 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
         if module.bias_f16 is not None:
             weights.append(module.bias_f16)
         return (HALF_GEMV_PACKED if packed else HALF_GEMV, weights, module.bias, None, None, None, module.out_features,
-                0, 0, 1, 0, 0, 0, 0)
+                0, 0, 1, 0, 0, 0, module.read_streams)
     if type(module) is nn.Linear:
         return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1, 0, 0, 0, 0
     return None

@@ -24,7 +24,7 @@ check per step rather than one per linear.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ from torch import nn
 
 from qrun.kernels import backend, cpu_half_gemv
 from qrun.kernels.cpu_half_gemv import half_gemv_ref
+from qrun.kernels.read_streams import DEFAULT_READ_STREAMS, fastest_for
 
 GEMV_ROWS = 2
 
@@ -88,10 +89,11 @@ class CpuDenseLinear(nn.Module):
                 self.weight = nn.Parameter(self.weight_packed, requires_grad=False)
         self.enabled = True  # False inside bfloat16_only
         self.half_gemv = cpu_half_gemv.half_gemv if backend(self.weight_f16.device) == "cpu" else half_gemv_ref
+        self.read_streams = DEFAULT_READ_STREAMS  # the GEMV's: measure_read_streams
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:
-            return self.half_gemv(x, self.weight_f16, self.bias_f16)
+            return self.half_gemv(x, self.weight_f16, self.bias_f16, self.read_streams)
         if self.weight_packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
@@ -128,3 +130,22 @@ def use_cpu_dense_linears(model: nn.Module) -> None:
         for name, child in module.named_children():
             if type(child) is nn.Linear:
                 setattr(module, name, CpuDenseLinear(child, shared=references[id(child.weight)] > 1))
+
+
+def measure_read_streams(model: nn.Module) -> None:
+    """Set every CpuDenseLinear's read streams to the count under which its model's one-row float16
+    GEMVs run fastest on this machine (`kernels/read_streams.py`; dense SmolLM2: ~270 MB of
+    weights, ~0.2 s). Run at load, where the weights will stay."""
+    linears = [m for m in model.modules() if isinstance(m, CpuDenseLinear) and m.half_gemv is cpu_half_gemv.half_gemv]
+    if not linears:
+        return
+
+    def product(linear: CpuDenseLinear) -> tuple[Callable[[int], object], int]:
+        row = torch.randn(1, linear.in_features, dtype=torch.bfloat16)
+        return (lambda streams: linear.half_gemv(row, linear.weight_f16, linear.bias_f16, streams),
+                linear.weight_f16.numel() * linear.weight_f16.element_size())
+
+    with torch.inference_mode():
+        fastest = fastest_for([product(linear) for linear in linears])
+    for linear in linears:
+        linear.read_streams = fastest

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from qrun.errors import ModelLoadError
 from qrun.kernels import backend, cpu_int4, cpu_quant_matmul, ops_for
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequantize_ref,
                                          group_values, unpack_rows)
+from qrun.kernels.read_streams import DEFAULT_READ_STREAMS, fastest_for
 from qrun.kernels.rotation import rotation_factors, unpack_signs, unrotate
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -227,7 +229,7 @@ class CpuQuantMatmul(nn.Module):
         # the VNNI kernel's (codes, scales, zeros, centers) of the low digits, then of the high ones
         # (or four Nones); low and high: torch's int4 kernel's weights instead
         self.planes = self.low = self.high = None
-        self.read_streams = cpu_quant_matmul.DEFAULT_READ_STREAMS  # the VNNI kernel's: measure_read_streams
+        self.read_streams = DEFAULT_READ_STREAMS  # the VNNI kernel's: measure_read_streams
         self.dequantizes = False
         self.gather_columns = (cpu_quant_matmul.gather_columns if backend(torch.device("cpu")) == "cpu"
                                else cpu_quant_matmul.gather_columns_ref)
@@ -363,29 +365,21 @@ def prepare_quantized_linears(model: nn.Module) -> None:
             module.prepare(input_digits=2 if module is head else 1)
 
 
-def measure_read_streams(model: nn.Module, budget_bytes: int = 512 << 20) -> None:
+def measure_read_streams(model: nn.Module) -> None:
     """Set every VNNI matmul's read streams to the count under which its model's one-row products
-    run fastest on this machine (`cpu_quant_matmul.fastest_read_streams`): they are timed in model
-    order, as a decode step reads them, over the first `budget_bytes` of weights (all of them
-    beyond any cache but the largest; SmolLM2 at 4.0 bpw: ~90 MB, ~0.1 s). Run at load, after the
-    projections are fused."""
+    run fastest on this machine (`kernels/read_streams.py`; SmolLM2 at 4.0 bpw: ~90 MB of
+    weights, ~0.1 s). Run at load, after the projections are fused."""
     matmuls = [m for m in model.modules() if isinstance(m, CpuQuantMatmul) and m.planes is not None]
-    swept, total = [], 0
-    for matmul in matmuls:
-        if total >= budget_bytes:
-            break
-        swept.append((matmul, torch.randn(1, matmul.planes[0].numel() * 2 // matmul.out_features,
-                                          dtype=torch.bfloat16)))
-        total += sum(t.numel() * t.element_size() for t in matmul.planes if t is not None)
-    if not swept:
+    if not matmuls:
         return
 
-    def sweep(read_streams: int) -> None:
-        for matmul, row in swept:
-            matmul.multiply_planes(row, read_streams)
+    def product(matmul: CpuQuantMatmul) -> tuple[Callable[[int], object], int]:
+        row = torch.randn(1, matmul.planes[0].numel() * 2 // matmul.out_features, dtype=torch.bfloat16)
+        return (lambda streams: matmul.multiply_planes(row, streams),
+                sum(t.numel() * t.element_size() for t in matmul.planes if t is not None))
 
     with torch.inference_mode():
-        fastest = cpu_quant_matmul.fastest_read_streams(sweep)
+        fastest = fastest_for([product(matmul) for matmul in matmuls])
     for matmul in matmuls:
         matmul.read_streams = fastest
 

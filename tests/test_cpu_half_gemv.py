@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from qrun.kernels import cpu_library
 from qrun.kernels.cpu_half_gemv import MAX_ROWS, half_gemv, half_gemv_ref
+from qrun.kernels.read_streams import READ_STREAMS
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
 
@@ -34,3 +35,17 @@ def test_cpu_half_gemv_reads_rows_in_place_and_leaves_more_rows_to_torch():
     x = wide[:, :32]  # rows 48 apart
     torch.testing.assert_close(half_gemv(x[:2], weight), x[:2] @ weight.float().T, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(half_gemv(x, weight), half_gemv_ref(x, weight), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_every_read_stream_count_gives_the_same_product(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(203, 96, generator=g).half(), torch.randn(203, generator=g).half()
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    products = [half_gemv(x, weight, bias, streams) for streams in READ_STREAMS]
+    assert all(torch.equal(product, products[0]) for product in products)
+
+
+def test_a_read_stream_count_the_gemv_lacks_is_rejected_naming_the_choices():
+    with pytest.raises(RuntimeError, match="read_streams must be 1, 2 or 4, got 3"):
+        half_gemv(torch.randn(1, 32), torch.randn(16, 32).half(), None, 3)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qrun import cpu_linear
 from qrun.cpu_linear import CpuDenseLinear, bfloat16_only, can_prepack, use_cpu_dense_linears
 from qrun.kernels import cpu_library
 
@@ -97,3 +98,16 @@ def test_the_compiled_linear_equals_the_eager_one():
     for rows in (3, 7):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         torch.testing.assert_close(compiled(x), dense(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
+def test_measured_read_streams_reach_every_gemv_and_leave_its_products_alone(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32, bias=False)).to(torch.bfloat16)
+    use_cpu_dense_linears(model)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    before = model(x)
+    swept = []
+    monkeypatch.setattr(cpu_linear, "fastest_for", lambda products: swept.extend(m(1) for m, _ in products) or 1)
+    cpu_linear.measure_read_streams(model)
+    assert len(swept) == 2 and [lin.read_streams for lin in model] == [1, 1]
+    assert torch.equal(model(x), before)

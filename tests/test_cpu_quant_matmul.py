@@ -10,13 +10,14 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from qrun.kernels import cpu_quant_matmul as cqm
+from qrun.kernels.read_streams import DEFAULT_READ_STREAMS, READ_STREAMS
 
 pytestmark = pytest.mark.skipif(not cqm.available(), reason="no AVX512-VNNI kernel on this machine")
 needs_tiles = pytest.mark.skipif(not cqm.tile_rows(), reason="no AMX kernel on this machine")
 
 
 def op(x, low, group, n, high, k_high, digits=1, tile_rows=0, dequantize_rows=0, tile_dequantize_rows=0,
-       read_streams=cqm.DEFAULT_READ_STREAMS):
+       read_streams=DEFAULT_READ_STREAMS):
     """The op with its kernel chosen here rather than by the machine."""
     return torch.ops.qrun.quant_matmul(x, *low, group, n, *high, k_high, digits, tile_rows, tile_dequantize_rows,
                                        dequantize_rows, read_streams)
@@ -129,7 +130,7 @@ def test_every_read_stream_count_gives_the_same_product(shape, rows, digits):
     """Streams only reorder which tiles a thread reads when; each channel's sums are the same."""
     low, high, x = problem(shape, rows)
     n, k, group, k_high, _ = shape
-    products = [op(x, low, group, n, high, k_high, digits, read_streams=streams) for streams in cqm.READ_STREAMS]
+    products = [op(x, low, group, n, high, k_high, digits, read_streams=streams) for streams in READ_STREAMS]
     assert all(torch.equal(product, products[0]) for product in products[1:])
 
 
@@ -145,18 +146,6 @@ def test_a_read_stream_count_the_kernel_lacks_is_rejected_naming_the_choices():
     low, high, x = problem((32, 64, 32, 0, 0), 1)
     with pytest.raises(RuntimeError, match="read_streams must be 1, 2 or 4"):
         op(x, low, 32, 32, high, 0, read_streams=3)
-
-
-@pytest.mark.parametrize("costs, chosen", [({1: 3, 2: 2, 4: 5}, 2), ({1: 4.95, 2: 5, 4: 5}, 4),
-                                           ({1: 9, 2: 9, 4: 5}, 4)])
-def test_fastest_read_streams_keeps_the_default_unless_another_count_is_clearly_faster(monkeypatch, costs, chosen):
-    clock = [0.0]
-    monkeypatch.setattr(cqm.time, "perf_counter", lambda: clock[0])
-
-    def sweep(streams):
-        clock[0] += costs[streams]
-
-    assert cqm.fastest_read_streams(sweep) == chosen
 
 
 def test_a_weight_of_the_wrong_shape_is_rejected_with_its_shapes():

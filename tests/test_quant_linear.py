@@ -162,7 +162,7 @@ def test_measured_read_streams_reach_every_vnni_matmul_and_leave_its_products_al
     x = torch.randn(1, 256)
     before = [lin(x) for lin in linears]
     swept = []
-    monkeypatch.setattr(cpu_quant_matmul, "fastest_read_streams", lambda sweep: swept.append(sweep(1)) or 1)
+    monkeypatch.setattr(quant, "fastest_for", lambda products: swept.extend(m(1) for m, _ in products) or 1)
     quant.measure_read_streams(nn.ModuleList(linears))
     assert swept and [lin.cpu_matmul.read_streams for lin in linears] == [1, 1]
     multiply, passed = cpu_quant_matmul.quant_matmul, []

@@ -1,0 +1,57 @@
+"""How many sequential streams of weights each thread reads side by side in a one-row product:
+measured on the machine, at load, not assumed.
+
+At one or two rows a product is bound by reading its weights, and how many sequential streams a
+core keeps fastest in flight differs by CPU: for the VNNI kernel's 4-bit weights four streams beat
+one on a 2-core Xeon (the 6-bit head of a 4.0-bpw SmolLM2 1.64 -> 1.02 ms), while on a 2-core EPYC
+(Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2 / 1); for the float16 GEMV
+of dense models, four beat one on the Xeon (23.5 vs 19.4 GB/s) and two beat four on the EPYC
+(single-stream decode 1.06-1.09x). The streams change no result, only the order of the reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+READ_STREAMS, DEFAULT_READ_STREAMS = (1, 2, 4), 4
+BUDGET_BYTES = 512 << 20  # weights timed at most: beyond any cache but the largest
+
+
+def fastest_read_streams(sweep: Callable[[int], object], repeats: int = 5, margin: float = 0.03) -> int:
+    """The count of READ_STREAMS under which `sweep(read_streams)` (a model's one-row products, as
+    a decode step runs them) is fastest by its median over `repeats` timed runs, the counts
+    interleaved after one untimed run each; DEFAULT_READ_STREAMS unless another beats it by
+    `margin`."""
+    for streams in READ_STREAMS:
+        sweep(streams)
+    times: dict[int, list[float]] = {streams: [] for streams in READ_STREAMS}
+    for _ in range(repeats):
+        for streams in READ_STREAMS:
+            start = time.perf_counter()
+            sweep(streams)
+            times[streams].append(time.perf_counter() - start)
+    median = {streams: statistics.median(values) for streams, values in times.items()}
+    best = min(median, key=median.__getitem__)
+    return best if median[best] < (1 - margin) * median[DEFAULT_READ_STREAMS] else DEFAULT_READ_STREAMS
+
+
+def fastest_for(products: Sequence[tuple[Callable[[int], object], int]], budget_bytes: int = BUDGET_BYTES) -> int:
+    """`fastest_read_streams` over a model's one-row products in model order, as a decode step
+    reads them: (multiply(read_streams), bytes of weights it reads) pairs, the first
+    `budget_bytes` of them timed (all of a small model's)."""
+    swept, total = [], 0
+    for multiply, weight_bytes in products:
+        if total >= budget_bytes:
+            break
+        swept.append(multiply)
+        total += weight_bytes
+    if not swept:
+        return DEFAULT_READ_STREAMS
+
+    def sweep(read_streams: int) -> None:
+        for multiply in swept:
+            multiply(read_streams)
+
+    return fastest_read_streams(sweep)

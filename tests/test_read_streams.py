@@ -1,0 +1,33 @@
+"""The read-stream count chosen at load: the default unless another is clearly faster, from a
+model's first weights in model order."""
+
+from __future__ import annotations
+
+import pytest
+
+from qrun.kernels import read_streams
+from qrun.kernels.read_streams import DEFAULT_READ_STREAMS, fastest_for, fastest_read_streams
+
+
+@pytest.mark.parametrize("costs, chosen", [({1: 3, 2: 2, 4: 5}, 2), ({1: 4.95, 2: 5, 4: 5}, 4),
+                                           ({1: 9, 2: 9, 4: 5}, 4)])
+def test_fastest_read_streams_keeps_the_default_unless_another_count_is_clearly_faster(monkeypatch, costs, chosen):
+    clock = [0.0]
+    monkeypatch.setattr(read_streams.time, "perf_counter", lambda: clock[0])
+
+    def sweep(streams):
+        clock[0] += costs[streams]
+
+    assert fastest_read_streams(sweep) == chosen
+
+
+def test_fastest_for_times_the_first_products_within_the_budget_in_model_order(monkeypatch):
+    calls = []
+    monkeypatch.setattr(read_streams, "fastest_read_streams", lambda sweep: sweep(2) or 2)
+    products = [(lambda streams, i=i: calls.append((i, streams)), 100) for i in range(5)]
+    assert fastest_for(products, budget_bytes=250) == 2
+    assert calls == [(0, 2), (1, 2), (2, 2)]
+
+
+def test_fastest_for_no_products_is_the_default():
+    assert fastest_for([]) == DEFAULT_READ_STREAMS
