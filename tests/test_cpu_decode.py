@@ -161,6 +161,13 @@ def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
         runner.decode_model.logits([vocab], [0], layout)
 
 
+def test_a_step_layout_that_does_not_fit_its_rows_is_refused_naming_what_must_match(tiny_llama64_dir):
+    runner = engine(tiny_llama64_dir).engine.runner
+    layout = StepLayout.of([(0, 1)], [[1]], runner.block_size)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="need one value a row"):
+        runner.decode_model.logits([5], [0, 1], layout)
+
+
 def test_heads_without_a_cpp_attention_keep_the_torch_model(tiny_llama_dir):
     assert engine(tiny_llama_dir).engine.runner.decode_model is None  # heads of 16
 
