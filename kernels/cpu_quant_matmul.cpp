@@ -257,7 +257,7 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
 // At one or two rows the product is bound by reading the weights, and how many sequential streams a core reads
 // fastest differs by CPU: on a 2-core Xeon four tiles side by side read more than one (the 6-bit head of a 4.0-bpw
 // SmolLM2 1.64 -> 1.02 ms), on a 2-core EPYC (Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2
-// / 1 streams). So the count is a parameter (kernels/cpu_quant_matmul.py measures it on the model at load).
+// / 1 streams). So the count is a parameter (kernels/read_streams.py measures it on the model at load).
 
 // Each thread's tiles in STREAMS parts read side by side, the rest one at a time.
 template <int R, bool two_digits, int STREAMS>
