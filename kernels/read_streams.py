@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable
+
+import torch
 
 READ_STREAMS, DEFAULT_READ_STREAMS = (1, 2, 4), 4
 BUDGET_BYTES = 512 << 20  # weights timed at most: beyond any cache but the largest
@@ -37,16 +39,17 @@ def fastest_read_streams(sweep: Callable[[int], object], repeats: int = 5, margi
     return best if median[best] < (1 - margin) * median[DEFAULT_READ_STREAMS] else DEFAULT_READ_STREAMS
 
 
-def fastest_for(products: Sequence[tuple[Callable[[int], object], int]], budget_bytes: int = BUDGET_BYTES) -> int:
+def fastest_for(products: Iterable[tuple[Callable[[int], object], int]], budget_bytes: int = BUDGET_BYTES) -> int:
     """`fastest_read_streams` over a model's one-row products in model order, as a decode step
-    reads them: (multiply(read_streams), bytes of weights it reads) pairs, the first
-    `budget_bytes` of them timed (all of a small model's)."""
+    reads them: (multiply(read_streams), bytes of weights it reads) pairs, taken from `products`
+    (an iterator: the pairs past the budget are never made) until `budget_bytes` of them (all of a
+    small model's); DEFAULT_READ_STREAMS for none."""
     swept, total = [], 0
     for multiply, weight_bytes in products:
-        if total >= budget_bytes:
-            break
         swept.append(multiply)
         total += weight_bytes
+        if total >= budget_bytes:
+            break
     if not swept:
         return DEFAULT_READ_STREAMS
 
@@ -54,4 +57,5 @@ def fastest_for(products: Sequence[tuple[Callable[[int], object], int]], budget_
         for multiply in swept:
             multiply(read_streams)
 
-    return fastest_read_streams(sweep)
+    with torch.inference_mode():
+        return fastest_read_streams(sweep)

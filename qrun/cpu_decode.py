@@ -125,6 +125,5 @@ class DecodeModel:
         `Transformer.compute_logits` gives for `Transformer.forward`'s rows. `half_gemv`: dense
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
         case); a step in which one passes float16's range runs again without it, in the same call."""
-        tables = layout.block_tables
-        return self.stack.forward(ids, positions, layout.slot_mapping, [block for table in tables for block in table],
-                                  len(tables[0]), layout.seq_lens, layout.query_start_loc, half_gemv)
+        return self.stack.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
+                                  layout.seq_lens, layout.query_start_loc, half_gemv)

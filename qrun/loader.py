@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from qrun.config import ModelConfig
-from qrun.cpu_linear import cpu_dense_linears_apply, measure_read_streams as measure_dense_read_streams
-from qrun.cpu_linear import use_cpu_dense_linears
+from qrun.cpu_linear import cpu_dense_linears_apply, measure_gemv_read_streams, use_cpu_dense_linears
 from qrun.errors import ModelLoadError, one_line
 from qrun.huge_pages import move_to_huge_pages
 from qrun.model import Transformer
@@ -365,5 +364,5 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
         from qrun.quant import measure_read_streams
 
         measure_read_streams(net)
-    measure_dense_read_streams(net)
+    measure_gemv_read_streams(net)
     return LoadedModel(net, config, tokenizer, source, hf_config)

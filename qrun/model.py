@@ -25,7 +25,8 @@ class StepLayout:
     C++ decode step (qrun/cpu_decode.py) takes the lists themselves."""
 
     slot_mapping: list[int]  # [T] cache slot of each new token's K/V
-    block_tables: list[list[int]]  # [S][max_blocks], padded with block 0 to one width
+    block_tables: list[int]  # [S * table_width], each sequence's table padded with block 0 to table_width
+    table_width: int
     seq_lens: list[int]  # [S] context length including the new tokens
     query_start_loc: list[int]  # [S + 1]
 
@@ -44,7 +45,11 @@ class StepLayout:
             seq_lens.append(end)
             query_start.append(query_start[-1] + end - start)
         width = max(2 if compiled else 1, *(len(table) for table in block_tables))
-        return cls(slots, [table + [0] * (width - len(table)) for table in block_tables], seq_lens, query_start)
+        tables: list[int] = []
+        for table in block_tables:
+            tables += table
+            tables += [0] * (width - len(table))
+        return cls(slots, tables, width, seq_lens, query_start)
 
 
 @dataclass
@@ -72,8 +77,8 @@ class AttentionMetadata:
             return torch.tensor(values, dtype=dtype, device=device)
 
         starts = layout.query_start_loc
-        return cls(tensor(layout.slot_mapping, torch.int64), tensor(layout.block_tables), tensor(layout.seq_lens),
-                   tensor(starts), max(end - start for start, end in zip(starts, starts[1:])),
+        return cls(tensor(layout.slot_mapping, torch.int64), tensor(layout.block_tables).view(-1, layout.table_width),
+                   tensor(layout.seq_lens), tensor(starts), max(end - start for start, end in zip(starts, starts[1:])),
                    max(layout.seq_lens))
 
 

@@ -370,16 +370,13 @@ def measure_read_streams(model: nn.Module) -> None:
     run fastest on this machine (`kernels/read_streams.py`; SmolLM2 at 4.0 bpw: ~90 MB of
     weights, ~0.1 s). Run at load, after the projections are fused."""
     matmuls = [m for m in model.modules() if isinstance(m, CpuQuantMatmul) and m.planes is not None]
-    if not matmuls:
-        return
 
     def product(matmul: CpuQuantMatmul) -> tuple[Callable[[int], object], int]:
         row = torch.randn(1, matmul.planes[0].numel() * 2 // matmul.out_features, dtype=torch.bfloat16)
         return (lambda streams: matmul.multiply_planes(row, streams),
                 sum(t.numel() * t.element_size() for t in matmul.planes if t is not None))
 
-    with torch.inference_mode():
-        fastest = fastest_for([product(matmul) for matmul in matmuls])
+    fastest = fastest_for(product(matmul) for matmul in matmuls)
     for matmul in matmuls:
         matmul.read_streams = fastest
 

@@ -108,7 +108,7 @@ def test_measured_read_streams_reach_every_gemv_and_leave_its_products_alone(mon
     before = model(x)
     swept = []
     monkeypatch.setattr(cpu_linear, "fastest_for", lambda products: swept.extend(m(1) for m, _ in products) or 1)
-    cpu_linear.measure_read_streams(model)
+    cpu_linear.measure_gemv_read_streams(model)
     assert len(swept) == 2 and [lin.read_streams for lin in model] == [1, 1]
     passed = []
     for lin in model:

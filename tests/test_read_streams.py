@@ -31,3 +31,16 @@ def test_fastest_for_times_the_first_products_within_the_budget_in_model_order(m
 
 def test_fastest_for_no_products_is_the_default():
     assert fastest_for([]) == DEFAULT_READ_STREAMS
+
+
+def test_fastest_for_never_makes_the_products_past_the_budget(monkeypatch):
+    made = []
+    monkeypatch.setattr(read_streams, "fastest_read_streams", lambda sweep: 1)
+
+    def products():
+        for i in range(5):
+            made.append(i)
+            yield (lambda streams: None), 100
+
+    assert fastest_for(products(), budget_bytes=250) == 1
+    assert made == [0, 1, 2]
