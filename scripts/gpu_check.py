@@ -13,6 +13,8 @@
    time, the floor (bytes that must move / copy bandwidth, or FLOPs / bf16 matmul rate,
    whichever is larger), the floor as % of the time (100% = at the floor), and a baseline
    (torch SDPA for prefill attention, the torch reference elsewhere).
+4. Times the whole engine decoding a SmolLM2-135M-shaped model (random weights) at batch 1 and
+   64, against the same floors and the engine with the torch references.
 
 Adding a row: write a function `bench_xxx(ctx) -> list[Row]` and list it in BENCHES.
 """
@@ -252,6 +254,92 @@ def bench_dequant_matmul(ctx: Ctx) -> list[Row]:
     return rows
 
 
+def smollm2_shaped_checkpoint(folder: Path) -> Path:
+    """SmolLM2-135M's architecture with random bfloat16 weights: the real checkpoint (98 MB) does not
+    travel to a GPU machine, and random weights time the same bytes and launches."""
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_checkpoint import write_byte_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                                      rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=258,
+                                      bos_token_id=None, torch_dtype=torch.bfloat16)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
+    """The whole engine (LLM.generate) decoding on the GPU: ms per decode step at batch 1 and 64,
+    against the bytes a step must read (weights + KV); the baseline is the same engine with the
+    torch references (QRUN_KERNELS=torch). The note gives the share of the run the GPU was busy:
+    far below 100% means the steps are bound by kernel launches and Python, not by the GPU.
+    `measured` is the QRUN_KERNELS backend timed (another than triton runs the row on a CPU, to
+    check the script itself without a GPU)."""
+    import gc
+    import json
+    import os
+    import tempfile
+
+    from qrun import LLM, SamplingParams
+
+    prompt_len, new_tokens, batches = 32, 128, (1, 64)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    step_s, busy, tokens = {}, {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = smollm2_shaped_checkpoint(Path(tmp) / "smollm2-shaped")
+        weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        config = json.loads((model / "config.json").read_text())
+        for backend in (measured, "torch"):
+            os.environ["QRUN_KERNELS"] = backend  # read once, when the model picks its kernels
+            llm = LLM(str(model), dtype="bfloat16", device=str(ctx.device), max_num_seqs=max(batches),
+                      kv_cache_memory=4 << 30)
+            for batch in batches:
+                prompts = [[(7 * i + j) % 250 for j in range(prompt_len)] for i in range(batch)]
+                llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)  # warm-up
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, progress=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+                failed = [o.error for o in outputs if o.error or len(o.outputs[0].token_ids) != new_tokens]
+                if failed:
+                    raise AssertionError(f"{backend} B{batch}: {len(failed)} requests failed, first: {failed[0]}")
+                tokens[backend, batch] = [o.outputs[0].token_ids for o in outputs]
+                step_s[backend, batch] = wall / new_tokens
+                if backend == measured:
+                    busy[batch] = kernel_seconds(llm, prompts, params) / wall
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        os.environ.pop("QRUN_KERNELS")
+    kv_row_bytes = 2 * config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"] * 2
+    rows = []
+    for batch in batches:
+        kv_bytes = batch * config["num_hidden_layers"] * kv_row_bytes * (prompt_len + new_tokens // 2)  # mean context
+        step = step_s[measured, batch]
+        same = sum(a == b for a, b in zip(tokens[measured, batch], tokens["torch", batch]))
+        rows.append(Row("engine decode step", f"SmolLM2-135M shape bf16 B{batch}", step * 1e3,
+                        bytes=weight_bytes + kv_bytes, flops=2 * batch * (weight_bytes // 2),
+                        baseline_name="QRUN_KERNELS=torch", baseline_ms=step_s["torch", batch] * 1e3,
+                        note=f"{batch / step:.0f} tok/s; GPU busy {100 * busy[batch]:.0f}%; "
+                             f"{same}/{batch} greedy outputs equal torch's"))
+    return rows
+
+
+def kernel_seconds(llm, prompts, params) -> float:
+    """Device time of every kernel a generate runs (torch.profiler), to set against its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, progress=False)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) * 1e-6
+
+
 BENCHES = [
     bench_attention_prefill,
     bench_attention_decode,
@@ -259,7 +347,7 @@ BENCHES = [
     bench_rms_norm,
     bench_rotary,
     bench_dequant_matmul,
-    # end-to-end rows (SmolLM2 decode tokens/s, ...) go here
+    bench_engine_decode,
 ]
 
 
