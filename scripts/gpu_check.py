@@ -299,7 +299,8 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
                       kv_cache_memory=4 << 30)
             for batch in batches:
                 prompts = [[(7 * i + j) % 250 for j in range(prompt_len)] for i in range(batch)]
-                llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)  # warm-up
+                # Warm-up at the timed batch: Triton compiles a kernel per specialization at its first launch.
+                llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 outputs = llm.generate(prompts, params, progress=False)
