@@ -266,7 +266,7 @@ def smollm2_shaped_checkpoint(folder: Path) -> Path:
     config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                                       rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=258,
-                                      bos_token_id=None, torch_dtype=torch.bfloat16)
+                                      bos_token_id=None)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     write_byte_tokenizer(folder)
     return folder
@@ -293,30 +293,32 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
         model = smollm2_shaped_checkpoint(Path(tmp) / "smollm2-shaped")
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         config = json.loads((model / "config.json").read_text())
-        for backend in (measured, "torch"):
-            os.environ["QRUN_KERNELS"] = backend  # read once, when the model picks its kernels
-            llm = LLM(str(model), dtype="bfloat16", device=str(ctx.device), max_num_seqs=max(batches),
-                      kv_cache_memory=4 << 30)
-            for batch in batches:
-                prompts = [[(7 * i + j) % 250 for j in range(prompt_len)] for i in range(batch)]
-                # Warm-up at the timed batch: Triton compiles a kernel per specialization at its first launch.
-                llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                outputs = llm.generate(prompts, params, progress=False)
-                torch.cuda.synchronize()
-                wall = time.perf_counter() - start
-                failed = [o.error for o in outputs if o.error or len(o.outputs[0].token_ids) != new_tokens]
-                if failed:
-                    raise AssertionError(f"{backend} B{batch}: {len(failed)} requests failed, first: {failed[0]}")
-                tokens[backend, batch] = [o.outputs[0].token_ids for o in outputs]
-                step_s[backend, batch] = wall / new_tokens
-                if backend == measured:
-                    busy[batch] = kernel_seconds(llm, prompts, params) / wall
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
-        os.environ.pop("QRUN_KERNELS")
+        try:
+            for backend in (measured, "torch"):
+                os.environ["QRUN_KERNELS"] = backend  # read once, when the model picks its kernels
+                llm = LLM(str(model), dtype="bfloat16", device=str(ctx.device), max_num_seqs=max(batches),
+                          kv_cache_memory=4 << 30)
+                for batch in batches:
+                    prompts = [[(7 * i + j) % 250 for j in range(prompt_len)] for i in range(batch)]
+                    # Warm-up at the timed batch: Triton compiles a kernel per specialization at its first launch.
+                    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    outputs = llm.generate(prompts, params, progress=False)
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - start
+                    failed = [o.error for o in outputs if o.error or len(o.outputs[0].token_ids) != new_tokens]
+                    if failed:
+                        raise AssertionError(f"{backend} B{batch}: {len(failed)} requests failed, first: {failed[0]}")
+                    tokens[backend, batch] = [o.outputs[0].token_ids for o in outputs]
+                    step_s[backend, batch] = wall / new_tokens
+                    if backend == measured:
+                        busy[batch] = kernel_seconds(llm, prompts, params) / wall
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
+        finally:  # the rows after this one, and a caller's process, pick their own kernels
+            os.environ.pop("QRUN_KERNELS", None)
     kv_row_bytes = 2 * config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"] * 2
     rows = []
     for batch in batches:
