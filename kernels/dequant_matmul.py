@@ -249,11 +249,14 @@ def config_launch(config, named_args: dict, constexprs: dict) -> Launch:
                   dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
-def _prune_mm_configs(configs, named_args, **constexprs):
+def _prune_mm_configs(configs, named_args, **launch_kwargs):
     kept = configs_for_rows(configs, named_args["M"])
     device = named_args["x_ptr"].device
     if device.type != "cuda":
         return kept
+    # The autotuner passes its whole launch (grid and warmup included); the fit check compiles
+    # the kernel alone, with its own parameters.
+    constexprs = {name: value for name, value in launch_kwargs.items() if name in _dq_mm_kernel.arg_names}
     # Tiles that spill or overflow shared memory on this GPU (Turing, for the larger ones) are
     # not timed at all; the smallest stays if none fits.
     fitting = [c for c in kept if fits_device(config_launch(c, named_args, constexprs), device)]

@@ -457,6 +457,23 @@ def test_dequant_matmul(m, dtype, asym, group_size):
     _close(got.cpu() / scale, expected / scale, TOL[dtype])
 
 
+def test_tile_pruning_checks_fit_with_the_kernels_own_arguments(monkeypatch):
+    """The autotuner hands its pruning hook the whole launch (grid, warmup); compiling a tile to
+    check that it fits must pass only the kernel's parameters (a GPU run once failed on 'grid')."""
+    checked = []
+    monkeypatch.setattr(dm, "fits_device", lambda launch, device: checked.append(launch) or True)
+    constexprs = dict(GROUP_SIZE=32, HAS_MINS=False, HAS_BIAS=False, DOT_F32=False)
+    on_gpu = type("Arg", (), {"device": torch.device("cuda")})()
+    named_args = {name: on_gpu for name in dm._dq_mm_kernel.arg_names
+                  if name not in constexprs and name not in ("BLOCK_M", "BLOCK_N")}
+    named_args["M"] = 37
+    kept = dm._prune_mm_configs(dm._dq_mm_tuned.configs, named_args, grid=lambda meta: (1,), warmup=False,
+                                **constexprs)
+    assert kept and len(checked) == len(kept)
+    for launch in checked:
+        assert set(launch.constexprs) <= set(dm._dq_mm_kernel.arg_names) and "grid" not in launch.constexprs
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
