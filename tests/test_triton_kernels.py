@@ -253,7 +253,7 @@ def _check_quantized_attention(specs, bits, head_dim, qpk=3, dtype=torch.float16
     expected = pa.paged_attention_ref(q, *dequantized, *meta)
     got_ref = pa.paged_attention_ref(q, k_data, v_data, *meta, k_scales=k_scales, v_scales=v_scales)
     torch.testing.assert_close(got_ref, expected, rtol=1e-6, atol=1e-6)
-    unread = torch.isnan(args[1].float()).any(-1).any(-1)  # [blocks, block_size]
+    unread = torch.isnan(args[1].float()).any(-1).any(-1).cpu()  # [blocks, block_size]
     poisoned = [s.masked_fill(unread[:, :, None, None, None], float("nan")) for s in (k_scales, v_scales)]
     got = pa.paged_attention_triton(q.to(dtype).to(DEVICE), k_data.to(DEVICE), v_data.to(DEVICE),
                                     *[t.to(DEVICE) for t in meta[:3]], *meta[3:],
@@ -295,7 +295,10 @@ def test_quantized_store_kv_matches_reference_bit_for_bit(bits, head_dim):
     cache_ops.store_kv_triton(k.to(DEVICE), v.to(DEVICE), *got[:2], slots.to(DEVICE), *got[2:])
     for g, e in zip(got, expected):
         if ON_GPU:  # the GPU divides approximately: a value may land one step over
-            assert (g.cpu().float() - e.float()).abs().max() <= (1 if g.dtype != kv_quant.SCALE_DTYPE else 1e-3)
+            g = g.cpu()
+            if g.dtype != kv_quant.SCALE_DTYPE and bits == 4:  # a step in a byte's high half is 16
+                g, e = (torch.stack([t & 15, t >> 4], -1) for t in (g, e))
+            assert (g.float() - e.float()).abs().max() <= (1 if g.dtype != kv_quant.SCALE_DTYPE else 1e-3)
         else:
             assert torch.equal(g.cpu(), e)
     k_back = kv_quant.dequantize_kv_ref(expected[0].view(-1, heads, head_dim * bits // 8)[slots],
