@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Iterator, Sequence as Seq
 
@@ -88,9 +89,12 @@ class LLM:
         Raises RequestFailed if the engine fails the request (text alone cannot say so).
         """
         sent = 0
-        for output in self.stream_outputs(prompt, sampling_params):
-            if len(output.text) > sent:
-                yield output.text[sent:]
-                sent = len(output.text)
-            if output.error is not None:
-                raise RequestFailed(output.error)
+        # Closed explicitly: left to garbage collection, the abort would wait for whatever still
+        # references this frame (an exception's traceback) and could land in the middle of a step.
+        with contextlib.closing(self.stream_outputs(prompt, sampling_params)) as outputs:
+            for output in outputs:
+                if len(output.text) > sent:
+                    yield output.text[sent:]
+                    sent = len(output.text)
+                if output.error is not None:
+                    raise RequestFailed(output.error)
