@@ -46,7 +46,8 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    # Eager mode only: no torch.compile of CPU decode steps (QRUN_ENFORCE_EAGER=1 sets the default).
+    # Eager mode only: no torch.compile of CPU decode steps, no CUDA graphs on a GPU
+    # (QRUN_ENFORCE_EAGER=1 sets the default).
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("QRUN_ENFORCE_EAGER", "0") == "1")
 
     def __post_init__(self) -> None:
@@ -142,7 +143,8 @@ class LLMEngine:
         self.cache_spec = KVCacheSpec.parse(config.kv_cache_dtype, self.loaded.dtype)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, self.cache_spec,
-                                  compile_decode=not config.enforce_eager)
+                                  compile_decode=not config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}

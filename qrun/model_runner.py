@@ -8,6 +8,7 @@ import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
 from qrun.cpu_decode import DecodeModel
+from qrun.cuda_graphs import CudaGraphDecode
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.kernels import backend
 from qrun.loader import LoadedModel
@@ -29,7 +30,7 @@ def _all_finite(*tensors: torch.Tensor | None) -> bool:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cache: KVCacheSpec,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, max_num_seqs: int = 64, max_model_len: int | None = None):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
@@ -37,10 +38,15 @@ class ModelRunner:
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, calibrations)
         self.half_gemv = uses_cpu_dense_linears(self.model)
         # decode steps: the whole model in one C++ call where the CPU kernels cover it, else a
-        # compiled torch layer (unless compile_decode is off), else eager
-        self.decode_model = DecodeModel.build(self.model, self.kv_cache) if backend(self.device) == "cpu" else None
+        # compiled torch layer (unless compile_decode is off), else eager; on a GPU with the
+        # Triton kernels, CUDA graphs (unless compile_decode is off)
+        kernels = backend(self.device)
+        self.decode_model = DecodeModel.build(self.model, self.kv_cache) if kernels == "cpu" else None
         self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_model is None
                          and can_compile(self.model, self.device) else None)
+        self.graphs = (CudaGraphDecode(self.model, self.kv_cache, max_num_seqs,
+                                       max_model_len or loaded.config.max_model_len)
+                       if compile_decode and self.device.type == "cuda" and kernels == "triton" else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -76,6 +82,11 @@ class ModelRunner:
         if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
             logits = self.decode_model.logits(input_ids, positions, layout)
             return logits if len(sample_rows) == len(input_ids) else logits[sample_rows], sampling
+        if self.graphs is not None and all(end - start == 1 for start, end in spans):
+            hidden = self.graphs.hidden_states(input_ids, positions, layout)
+            if hidden is not None:
+                rows = hidden if len(sample_rows) == len(input_ids) else hidden[sample_rows]
+                return self.model.compute_logits(rows), sampling
         meta = AttentionMetadata.of(layout, self.device)
         ids, positions = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (input_ids, positions))
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
