@@ -228,6 +228,21 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float
     return size_bytes / best
 
 
+# Read bandwidth readings of one run further apart than this (largest / smallest) mean something
+# outside the VM shared its memory bus meanwhile (seen: 28.6-49.4 GB/s within one run on an idle
+# 2-core EPYC VM, where another run read a steady 32.4-32.6): such a run's timings are not evidence.
+QUIET_BANDWIDTH_SPREAD = 1.15
+
+
+def unquiet_warning(bandwidths: Sequence[float]) -> str | None:
+    """A warning when `bandwidths` (one run's readings, bytes/s) vary as no quiet machine's do."""
+    if len(bandwidths) < 2 or max(bandwidths) <= QUIET_BANDWIDTH_SPREAD * min(bandwidths):
+        return None
+    return (f"the machine was not quiet: its read bandwidth varied {min(bandwidths) / 1e9:.1f}-"
+            f"{max(bandwidths) / 1e9:.1f} GB/s during the run (a neighbour on the host, as `top` cannot show); "
+            f"rerun before taking these ratios or the roofline as evidence")
+
+
 def _spin() -> None:
     while True:
         pass

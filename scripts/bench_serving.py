@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, format_table, latency_summary,
-                        load_workload, measure_read_bandwidth, run_qrun)
+                        load_workload, measure_read_bandwidth, run_qrun, unquiet_warning)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
@@ -619,8 +619,9 @@ def roofline_table(summary: list[dict], systems: dict, stream: list[BenchRequest
         rows.append([r["system"], f"{step_bytes / 1e6:.1f}", f"{roof:.1f}", f"{r['single_stream_tok_s']:.1f}",
                      f"{r['single_stream_tok_s'] / roof:.0%}"])
     readings = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
+    warning = unquiet_warning(bandwidths)
     return (f"read bandwidth {bandwidth / 1e9:.1f} GB/s, the best of {readings} ({torch.get_num_threads()} threads)\n"
-            + _table(rows))
+            + _table(rows) + (f"\nWARNING: {warning}" if warning else ""))
 
 
 def main(argv=None) -> int:

@@ -57,3 +57,12 @@ def test_decode_step_bytes_count_each_weight_once_and_one_embedding_row(tiny_lla
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     expected = weights - embed.numel() * 4 + one_row_each + 100 * kv_per_token
     assert decode_step_bytes(model, 100, KVCacheSpec(torch.bfloat16)) == expected
+
+
+def test_a_run_whose_read_bandwidth_swings_is_flagged_as_not_quiet():
+    from qrun.bench import unquiet_warning
+
+    assert unquiet_warning([32.4e9, 32.6e9, 32.1e9]) is None
+    assert unquiet_warning([49.4e9]) is None  # one reading says nothing about a spread
+    warning = unquiet_warning([49.4e9, 33.5e9, 28.6e9])
+    assert warning and "28.6-49.4 GB/s" in warning and "not quiet" in warning
