@@ -14,7 +14,8 @@
    whichever is larger), the floor as % of the time (100% = at the floor), and a baseline
    (torch SDPA for prefill attention, the torch reference elsewhere).
 4. Times the whole engine decoding a SmolLM2-135M-shaped model (random weights) at batch 1 and
-   64, against the same floors and the engine with the torch references.
+   64, with CUDA graphs and without, against the same floors and the engine with the torch
+   references.
 
 Adding a row: write a function `bench_xxx(ctx) -> list[Row]` and list it in BENCHES.
 """
@@ -273,12 +274,14 @@ def smollm2_shaped_checkpoint(folder: Path) -> Path:
 
 
 def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
-    """The whole engine (LLM.generate) decoding on the GPU: ms per decode step at batch 1 and 64,
-    against the bytes a step must read (weights + KV); the baseline is the same engine with the
-    torch references (QRUN_KERNELS=torch). The note gives the share of the run the GPU was busy:
-    far below 100% means the steps are bound by kernel launches and Python, not by the GPU.
-    `measured` is the QRUN_KERNELS backend timed (another than triton runs the row on a CPU, to
-    check the script itself without a GPU)."""
+    """The whole engine (LLM.generate) decoding on the GPU: ms per step at batch 1 and 64 (32-token
+    prompts, 128 new tokens), against the bytes a step must read (weights + KV); the baseline is the
+    same engine with the torch references (QRUN_KERNELS=torch). The note gives the engine without
+    CUDA graphs (enforce_eager), the share of the run the GPU was busy (far below 100%: the steps
+    are bound by launches and Python, not by the GPU) and how many greedy outputs equal the eager
+    engine's (graphs must change none) and the torch references' (bfloat16 near-ties of random
+    weights may). `measured` is the QRUN_KERNELS backend timed (another than triton runs the row on
+    a CPU, to check the script itself without a GPU)."""
     import gc
     import json
     import os
@@ -288,20 +291,23 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
 
     prompt_len, new_tokens, batches = 32, 128, (1, 64)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engines = {"graphs": (measured, False), "eager": (measured, True), "torch": ("torch", True)}
     step_s, busy, tokens = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model = smollm2_shaped_checkpoint(Path(tmp) / "smollm2-shaped")
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         config = json.loads((model / "config.json").read_text())
         try:
-            for backend in (measured, "torch"):
+            for name, (backend, enforce_eager) in engines.items():
                 os.environ["QRUN_KERNELS"] = backend  # read once, when the model picks its kernels
                 llm = LLM(str(model), dtype="bfloat16", device=str(ctx.device), max_num_seqs=max(batches),
-                          kv_cache_memory=4 << 30)
+                          kv_cache_memory=4 << 30, enforce_eager=enforce_eager)
                 for batch in batches:
                     prompts = [[(7 * i + j) % 250 for j in range(prompt_len)] for i in range(batch)]
-                    # Warm-up at the timed batch: Triton compiles a kernel per specialization at its first launch.
-                    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
+                    # Warm-ups at the timed batch: Triton compiles a kernel per specialization at its first
+                    # launch, and the second prefills from the prefix cache the first filled, as the timed run does.
+                    for _ in range(2):
+                        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), progress=False)
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     outputs = llm.generate(prompts, params, progress=False)
@@ -309,10 +315,10 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
                     wall = time.perf_counter() - start
                     failed = [o.error for o in outputs if o.error or len(o.outputs[0].token_ids) != new_tokens]
                     if failed:
-                        raise AssertionError(f"{backend} B{batch}: {len(failed)} requests failed, first: {failed[0]}")
-                    tokens[backend, batch] = [o.outputs[0].token_ids for o in outputs]
-                    step_s[backend, batch] = wall / new_tokens
-                    if backend == measured:
+                        raise AssertionError(f"{name} B{batch}: {len(failed)} requests failed, first: {failed[0]}")
+                    tokens[name, batch] = [o.outputs[0].token_ids for o in outputs]
+                    step_s[name, batch] = wall / new_tokens
+                    if name == "graphs":
                         busy[batch] = kernel_seconds(llm, prompts, params) / wall
                 del llm
                 gc.collect()
@@ -323,13 +329,16 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
     rows = []
     for batch in batches:
         kv_bytes = batch * config["num_hidden_layers"] * kv_row_bytes * (prompt_len + new_tokens // 2)  # mean context
-        step = step_s[measured, batch]
-        same = sum(a == b for a, b in zip(tokens[measured, batch], tokens["torch", batch]))
+        step = step_s["graphs", batch]
+
+        def same_as(name: str) -> int:
+            return sum(a == b for a, b in zip(tokens["graphs", batch], tokens[name, batch]))
         rows.append(Row("engine decode step", f"SmolLM2-135M shape bf16 B{batch}", step * 1e3,
                         bytes=weight_bytes + kv_bytes, flops=2 * batch * (weight_bytes // 2),
                         baseline_name="QRUN_KERNELS=torch", baseline_ms=step_s["torch", batch] * 1e3,
-                        note=f"{batch / step:.0f} tok/s; GPU busy {100 * busy[batch]:.0f}%; "
-                             f"{same}/{batch} greedy outputs equal torch's"))
+                        note=f"{batch / step:.0f} tok/s; eager {step_s['eager', batch] * 1e3:.1f} ms; GPU busy "
+                             f"{100 * busy[batch]:.0f}%; greedy = eager's {same_as('eager')}/{batch}, "
+                             f"torch's {same_as('torch')}/{batch}"))
     return rows
 
 
