@@ -74,7 +74,9 @@ class CudaGraphDecode:
         replay = self.replays.get(bucket)
         if replay is None:
             try:
-                self._forward(bucket)  # Triton compiles and autotunes here, not in the capture
+                # this very step run eagerly, so that Triton compiles and autotunes outside the
+                # capture; the replay below repeats it, writing the same K/V to the same slots
+                self._forward(bucket)
                 replay = self.replays[bucket] = self._capture(bucket)
             except Exception:  # noqa: BLE001 - an uncapturable step must not stop the engine: eager from now on
                 log.warning("capturing a CUDA graph of decode steps failed; they stay eager", exc_info=True)

@@ -142,9 +142,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         self.cache_spec = KVCacheSpec.parse(config.kv_cache_dtype, self.loaded.dtype)
         num_blocks = self._num_blocks()
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, self.cache_spec,
-                                  compile_decode=not config.enforce_eager, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, self.cache_spec, config.max_num_seqs,
+                                  self.max_model_len, compile_decode=not config.enforce_eager)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, Request] = {}

@@ -8,8 +8,8 @@ import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
 from qrun.cpu_decode import DecodeModel
-from qrun.cuda_graphs import CudaGraphDecode
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
+from qrun.cuda_graphs import CudaGraphDecode
 from qrun.kernels import backend
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_calibration
@@ -30,7 +30,7 @@ def _all_finite(*tensors: torch.Tensor | None) -> bool:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, cache: KVCacheSpec,
-                 compile_decode: bool = False, max_num_seqs: int = 64, max_model_len: int | None = None):
+                 max_num_seqs: int, max_model_len: int, compile_decode: bool = False):
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
@@ -44,8 +44,7 @@ class ModelRunner:
         self.decode_model = DecodeModel.build(self.model, self.kv_cache) if kernels == "cpu" else None
         self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_model is None
                          and can_compile(self.model, self.device) else None)
-        self.graphs = (CudaGraphDecode(self.model, self.kv_cache, max_num_seqs,
-                                       max_model_len or loaded.config.max_model_len)
+        self.graphs = (CudaGraphDecode(self.model, self.kv_cache, max_num_seqs, max_model_len)
                        if compile_decode and self.device.type == "cuda" and kernels == "triton" else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -51,7 +51,8 @@ def test_replayed_decode_steps_generate_the_eager_tokens(tiny_llama_dir, monkeyp
     batches = []
     monkeypatch.setattr(graphs, "_capture", lambda bucket: lambda: graphs._forward(bucket))
     hidden_states = graphs.hidden_states
-    monkeypatch.setattr(graphs, "hidden_states", lambda ids, *rest: batches.append(len(ids)) or hidden_states(ids, *rest))
+    monkeypatch.setattr(graphs, "hidden_states",
+                        lambda ids, *rest: batches.append(len(ids)) or hidden_states(ids, *rest))
     assert token_ids(llm, prompts, params) == expected
     assert set(graphs.replays) == {1, 2, 4, 8} and {3, 5, 7} <= set(batches)  # padded batches ran
 
