@@ -73,7 +73,8 @@ class ModelRunner:
             if start + n == len(seq):
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        decode = self.decode_model is not None and all(end - start == 1 for start, end in spans)
+        one_token_each = all(end - start == 1 for start, end in spans)
+        decode = self.decode_model is not None and one_token_each
         layers = self.compiled.layers_for(spans) if self.compiled is not None else None  # never beside decode_model
         layout = StepLayout.of(spans, [seq.block_table for seq in batch.seqs], self.block_size,
                                compiled=layers is not None)
@@ -81,7 +82,7 @@ class ModelRunner:
         if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
             logits = self.decode_model.logits(input_ids, positions, layout)
             return logits if len(sample_rows) == len(input_ids) else logits[sample_rows], sampling
-        if self.graphs is not None and all(end - start == 1 for start, end in spans):
+        if self.graphs is not None and one_token_each:
             hidden = self.graphs.hidden_states(input_ids, positions, layout)
             if hidden is not None:
                 rows = hidden if len(sample_rows) == len(input_ids) else hidden[sample_rows]

@@ -283,20 +283,19 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
     weights may). `measured` is the QRUN_KERNELS backend timed (another than triton runs the row on
     a CPU, to check the script itself without a GPU)."""
     import gc
-    import json
     import os
     import tempfile
 
     from qrun import LLM, SamplingParams
+    from qrun.bench import decode_step_bytes
 
     prompt_len, new_tokens, batches = 32, 128, (1, 64)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engines = {"graphs": (measured, False), "eager": (measured, True), "torch": ("torch", True)}
-    step_s, busy, tokens = {}, {}, {}
+    mean_context = prompt_len + new_tokens // 2
+    step_s, busy, tokens, step_bytes = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model = smollm2_shaped_checkpoint(Path(tmp) / "smollm2-shaped")
-        weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-        config = json.loads((model / "config.json").read_text())
         try:
             for name, (backend, enforce_eager) in engines.items():
                 os.environ["QRUN_KERNELS"] = backend  # read once, when the model picks its kernels
@@ -320,21 +319,23 @@ def bench_engine_decode(ctx: Ctx, measured: str = "triton") -> list[Row]:
                     step_s[name, batch] = wall / new_tokens
                     if name == "graphs":
                         busy[batch] = kernel_seconds(llm, prompts, params) / wall
+                        # weights once, and every sequence's K/V at the mean context
+                        step_bytes[batch] = decode_step_bytes(llm.engine.runner.model, batch * mean_context,
+                                                              llm.engine.cache_spec)
+                        parameters = sum(p.numel() for p in llm.engine.runner.model.parameters())
                 del llm
                 gc.collect()
                 torch.cuda.empty_cache()
         finally:  # the rows after this one, and a caller's process, pick their own kernels
             os.environ.pop("QRUN_KERNELS", None)
-    kv_row_bytes = 2 * config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"] * 2
     rows = []
     for batch in batches:
-        kv_bytes = batch * config["num_hidden_layers"] * kv_row_bytes * (prompt_len + new_tokens // 2)  # mean context
         step = step_s["graphs", batch]
 
         def same_as(name: str) -> int:
             return sum(a == b for a, b in zip(tokens["graphs", batch], tokens[name, batch]))
         rows.append(Row("engine decode step", f"SmolLM2-135M shape bf16 B{batch}", step * 1e3,
-                        bytes=weight_bytes + kv_bytes, flops=2 * batch * (weight_bytes // 2),
+                        bytes=step_bytes[batch], flops=2 * batch * parameters,
                         baseline_name="QRUN_KERNELS=torch", baseline_ms=step_s["torch", batch] * 1e3,
                         note=f"{batch / step:.0f} tok/s; eager {step_s['eager', batch] * 1e3:.1f} ms; GPU busy "
                              f"{100 * busy[batch]:.0f}%; greedy = eager's {same_as('eager')}/{batch}, "
