@@ -478,16 +478,18 @@ class DecodeStack : public torch::CustomClassHolder {
     }
 
     // float32 logits [rows, vocab] (a new tensor) of token ids [rows] at their positions, as the eager model's
-    // forward and compute_logits give them. The step's layout comes as qrun/model.py's StepLayout holds it, lists
-    // (block_tables flat, rows of table_width): tensors made from them in Python cost ~0.1 ms a step at batch 1,
-    // where the caches are cold after the weights have streamed through them. half_gemv: dense linears may take
+    // forward and compute_logits give them, and each row's first maximum (its greedy token, as qrun_first_max finds
+    // it), or -1 where a logit is NaN or infinite: the engine's check of the logits and greedy sampling then need no
+    // pass of their own, each a torch op of ~0.1-0.2 ms at batch 1 once the step has left the caches cold. The step's
+    // layout comes as qrun/model.py's StepLayout holds it, lists (block_tables flat, rows of table_width): tensors
+    // made from them in Python cost ~0.1 ms a step at batch 1, for the same reason. half_gemv: dense linears may take
     // their float16 GEMV (at most GEMV_ROWS rows); where one's value passes float16's range, it reaches its row's
     // logits (the final norm of an infinity is NaN), and the step runs again on the bfloat16 weights, as
     // qrun/model_runner.py reruns the torch model's.
-    at::Tensor forward(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
-                       const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
-                       int64_t table_width, const std::vector<int64_t>& seq_lens,
-                       const std::vector<int64_t>& query_start_loc, bool half_gemv) {
+    std::tuple<at::Tensor, std::vector<int64_t>> forward(
+        const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+        const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables, int64_t table_width,
+        const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& query_start_loc, bool half_gemv) {
         TORCH_CHECK(head_.kind >= 0, "DecodeStack: set_head first");
         const size_t rows = ids.size(), seqs = seq_lens.size();
         TORCH_CHECK(rows > 0 && positions.size() == rows && slot_mapping.size() == rows &&
@@ -501,8 +503,11 @@ class DecodeStack : public torch::CustomClassHolder {
                             tensor_of(seq_lens, {int64_t(seqs)}, at::kInt),
                             tensor_of(query_start_loc, {int64_t(seqs) + 1}, at::kInt)};
         const at::Tensor logits = step(ids, meta, half_gemv);
+        std::vector<int64_t> first = first_maxima(logits);
         const bool took_half_gemv = half_gemv && may_take_half_gemv_ && rows <= GEMV_ROWS;
-        return took_half_gemv && !all_finite(logits) ? step(ids, meta, false) : logits;
+        if (!took_half_gemv || std::find(first.begin(), first.end(), -1) == first.end()) return {logits, first};
+        const at::Tensor rerun = step(ids, meta, false);
+        return {rerun, first_maxima(rerun)};
     }
 
   private:
@@ -528,13 +533,20 @@ class DecodeStack : public torch::CustomClassHolder {
         return head_(normed, half_gemv, workspace_, Workspace::LOGITS).to(at::kFloat, false, /*copy=*/true);
     }
 
-    // Whether every value of float32 `values` (contiguous) is finite: its exponent bits not all set.
-    static bool all_finite(const at::Tensor& values) {
-        const float* v = values.data_ptr<float>();
-        uint32_t any_not_finite = 0;
-        for (int64_t i = 0; i < values.numel(); i++)
-            any_not_finite |= uint32_t((std::bit_cast<uint32_t>(v[i]) & 0x7F800000u) == 0x7F800000u);
-        return !any_not_finite;
+    // Each row's first maximum of float32 logits [rows, vocab] (contiguous), -1 where a value is not finite (its
+    // exponent bits all set).
+    static std::vector<int64_t> first_maxima(const at::Tensor& logits) {
+        const int64_t rows = logits.size(0), vocab = logits.size(1);
+        const float* values = logits.data_ptr<float>();
+        std::vector<int64_t> first(rows);
+        qrun_first_max(values, vocab, rows, vocab, first.data(), at::get_num_threads());
+        for (int64_t r = 0; r < rows; r++) {
+            uint32_t any_not_finite = 0;
+            for (int64_t i = r * vocab; i < (r + 1) * vocab; i++)
+                any_not_finite |= uint32_t((std::bit_cast<uint32_t>(values[i]) & 0x7F800000u) == 0x7F800000u);
+            if (any_not_finite) first[r] = -1;
+        }
+        return first;
     }
 
     // The embedding's rows of ids, into the workspace.

@@ -119,10 +119,14 @@ class DecodeModel:
         stack.set_head(*head)
         return cls(stack)
 
-    def logits(self, ids: list[int], positions: list[int], layout: StepLayout,
-               half_gemv: bool = True) -> torch.Tensor:
-        """float32 logits [rows, vocab] of a step in which every sequence decodes one token: what
-        `Transformer.compute_logits` gives for `Transformer.forward`'s rows. `half_gemv`: dense
+    def step(self, ids: list[int], positions: list[int], layout: StepLayout,
+             half_gemv: bool = True) -> tuple[torch.Tensor, list[int]]:
+        """float32 logits [rows, vocab] of a step in which every sequence decodes one token (what
+        `Transformer.compute_logits` gives for `Transformer.forward`'s rows), and each row's first
+        maximum: its greedy token (`kernels/argmax.py`), or -1 where a logit is NaN or infinite,
+        found while the logits are in the caches (a torch op over them after the step costs
+        0.1-0.2 ms at batch 1, the first one the most: the step's weights have streamed through
+        every cache). `half_gemv`: dense
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
         case); a step in which one passes float16's range runs again without it, in the same call."""
         return self.stack.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,

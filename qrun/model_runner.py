@@ -55,8 +55,10 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the batch; return float32 logits for the sequences that now sample a token.
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:
+        """Run the batch; return float32 logits for the sequences that now sample a token, those
+        sequences, and each row's first maximum (-1: a logit not finite) where the step found
+        them with the logits (the C++ decode step's), else None.
 
         A sequence samples when this step computes its last known token; a prefill chunk that
         stops short of the prompt's end only fills the cache.
@@ -80,13 +82,15 @@ class ModelRunner:
                                compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
         if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
-            logits = self.decode_model.logits(input_ids, positions, layout)
-            return logits if len(sample_rows) == len(input_ids) else logits[sample_rows], sampling
+            logits, first_max = self.decode_model.step(input_ids, positions, layout)
+            if len(sample_rows) == len(input_ids):
+                return logits, sampling, first_max
+            return logits[sample_rows], sampling, [first_max[row] for row in sample_rows]
         if self.graphs is not None and one_token_each:
             hidden = self.graphs.hidden_states(input_ids, positions, layout)
             if hidden is not None:
                 rows = hidden if len(sample_rows) == len(input_ids) else hidden[sample_rows]
-                return self.model.compute_logits(rows), sampling
+                return self.model.compute_logits(rows), sampling, None
         meta = AttentionMetadata.of(layout, self.device)
         ids, positions = (torch.tensor(v, dtype=torch.int64, device=self.device) for v in (input_ids, positions))
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
@@ -108,5 +112,5 @@ class ModelRunner:
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
                 hidden, logits = forward(layers)
         if logits is None:
-            return hidden.new_empty((0, 0), dtype=torch.float32), sampling
-        return logits, sampling
+            return hidden.new_empty((0, 0), dtype=torch.float32), sampling, None
+        return logits, sampling, None

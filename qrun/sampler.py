@@ -59,22 +59,28 @@ def _rewrites_logits(seq: Sequence) -> bool:
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
-           token_bitmask: torch.Tensor | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
+           token_bitmask: torch.Tensor | None = None,
+           first_max: list[int] | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
     """One token per row of `logits` ([B, V] float32), and its logprobs where asked for.
     `token_bitmask` ([C, words] int32) holds the tokens allowed to each of the C sequences that
-    have a grammar, in batch order. `logits` is left as it was, so a caller can sample a row
-    again (the engine does, one row at a time, when a batch fails)."""
-    if any(_rewrites_logits(seq) for seq in seqs):  # copied only then: a greedy free batch pays nothing
+    have a grammar, in batch order. `first_max`: each row's first maximum where the caller found
+    it with the logits (the C++ decode step): a greedy batch whose logits nothing rewrites takes it
+    as its tokens. `logits` is left as it was, so a caller can sample a row again (the engine
+    does, one row at a time, when a batch fails)."""
+    params = [s.params for s in seqs]
+    greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+    rewrites = any(_rewrites_logits(seq) for seq in seqs)
+    if first_max is not None and all(greedy) and not rewrites:
+        return first_max, _logprobs(logits, params, first_max)
+    if rewrites:  # copied only then: a greedy free batch pays nothing
         logits = logits.clone()
     apply_penalties(logits, seqs)
     suppress_early_stops(logits, seqs, eos_token_ids)
     if token_bitmask is not None:
         apply_bitmask(logits, token_bitmask, [row for row, seq in enumerate(seqs) if seq.matcher is not None])
     device = logits.device
-    params = [s.params for s in seqs]
-    greedy = [p.temperature < MIN_TEMPERATURE for p in params]
-    first_max = ops_for(device).first_max  # the kernel table's argmax
-    tokens = first_max(logits)
+    first_max_of = ops_for(device).first_max  # the kernel table's argmax
+    tokens = first_max_of(logits)
     if not all(greedy):
         temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device)
         scaled = logits / temperature[:, None]
@@ -94,7 +100,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[row].exponential_(generator=seq.generator)
-        sampled = first_max(probs / noise)
+        sampled = first_max_of(probs / noise)
         tokens = torch.where(torch.tensor(greedy, device=device), tokens, sampled)
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, params, token_list)

@@ -14,6 +14,7 @@ from qrun.convert.main import convert
 from qrun.cpu_decode import DecodeModel
 from qrun.cpu_linear import bfloat16_only
 from qrun.kernels import cpu_library, cpu_quant_matmul
+from qrun.kernels.argmax import first_max_ref
 from qrun.model import AttentionMetadata, StepLayout
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -51,7 +52,7 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
                 tensor.normal_(generator=g)
         results = []
         for step in (lambda: model.compute_logits(model(ids, positions, meta, cache)),
-                     lambda: runner.decode_model.logits(ids.tolist(), positions.tolist(), layout, half_gemv)):
+                     lambda: runner.decode_model.step(ids.tolist(), positions.tolist(), layout, half_gemv)[0]):
             logits = step()
             results.append((logits, [t.clone() for t in cache.tensors()]))
     return results
@@ -152,20 +153,34 @@ def test_cpu_decode_step_stores_and_reads_a_quantized_cache_as_the_torch_model(t
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_cpu_decode_step_gives_each_rows_greedy_token_and_minus_one_where_its_logits_are_not_finite(
+        tiny_llama64_dir, dtype, poison):
+    """The engine's finiteness check and greedy sampling take these instead of passes of their own."""
+    runner = engine(tiny_llama64_dir, dtype=dtype).engine.runner
+    layout = StepLayout.of([(0, 1)] * 3, [[1], [2], [3]], runner.block_size)
+    with torch.inference_mode():
+        runner.model.embed_tokens.weight[6] = poison  # the middle row's token: its row alone goes non-finite
+        logits, first_max = runner.decode_model.step([5, 6, 7], [0, 0, 0], layout)
+    assert not logits[1].isfinite().all() and logits[[0, 2]].isfinite().all()
+    assert first_max == [first_max_ref(logits[:1]).item(), -1, first_max_ref(logits[2:]).item()]
+
+
 def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
     runner = engine(tiny_llama64_dir).engine.runner
     vocab = runner.model.config.vocab_size
     layout = StepLayout.of([(0, 1)], [[1]], runner.block_size)
     refused = f"token id {vocab} is outside the {vocab} embeddings"
     with torch.inference_mode(), pytest.raises(RuntimeError, match=refused):
-        runner.decode_model.logits([vocab], [0], layout)
+        runner.decode_model.step([vocab], [0], layout)
 
 
 def test_a_step_layout_that_does_not_fit_its_rows_is_refused_naming_what_must_match(tiny_llama64_dir):
     runner = engine(tiny_llama64_dir).engine.runner
     layout = StepLayout.of([(0, 1)], [[1]], runner.block_size)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="need one value a row"):
-        runner.decode_model.logits([5], [0, 1], layout)
+        runner.decode_model.step([5], [0, 1], layout)
 
 
 def test_heads_without_a_cpp_attention_keep_the_torch_model(tiny_llama_dir):

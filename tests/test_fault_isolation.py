@@ -16,6 +16,7 @@ import torch
 from test_engine import GREEDY, llm, prompts  # noqa: F401 - llm is the tiny engine fixture
 from test_server import ENGINE_ARGS, MODEL, live_server, request, wait_idle
 
+from qrun import LLM
 from qrun.async_llm import AsyncLLM
 from qrun.errors import EngineStopped, RequestFailed
 from qrun.llm_engine import LLMEngine
@@ -126,23 +127,41 @@ def test_sample_leaves_the_logits_it_is_given_unchanged(llm):
     assert torch.equal(logits, given)
 
 
+@pytest.fixture(scope="module")
+def cpp_decode_llm(tiny_llama64_dir):
+    """An engine whose decode steps run the C++ model, which reports each row's finiteness itself."""
+    llm = LLM(str(tiny_llama64_dir), dtype="float32", kv_cache_memory=8_000_000, max_num_seqs=16)
+    if llm.engine.runner.decode_model is None:
+        pytest.skip("the C++ decode step is not built here")
+    return llm
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_a_non_finite_logits_row_fails_only_its_request(llm, value):
+@pytest.mark.parametrize("engine_fixture", ["llm", "cpp_decode_llm"])
+def test_a_non_finite_logits_row_fails_only_its_request(request, engine_fixture, value):
+    llm = request.getfixturevalue(engine_fixture)
+    reported = []
+
     def inject(patch, engine):
         execute = engine.runner.execute
 
         def faulty_execute(batch):
-            logits, sampling = execute(batch)
+            logits, sampling, first_max = execute(batch)
+            reported.append(first_max is not None)
             for row, seq in enumerate(sampling):
                 if is_bad(seq) and len(seq.output_token_ids) == 1:
-                    with torch.inference_mode():
-                        logits[row, 7] = value
-            return logits, sampling
+                    if first_max is not None:  # the C++ step's report of such a row (test_cpu_decode pins it)
+                        first_max[row] = -1
+                    else:
+                        with torch.inference_mode():
+                            logits[row, 7] = value
+            return logits, sampling, first_max
 
         patch.setattr(engine.runner, "execute", faulty_execute)
 
     # n=2: its second completion forks off the first's blocks and must be freed too.
     expect_isolated(llm, inject, "NaN or infinite", bad=SamplingParams(max_tokens=12, n=2, **GREEDY))
+    assert any(reported) == (engine_fixture == "cpp_decode_llm")
 
 
 @pytest.mark.parametrize("method", ["fill_bitmask", "advance"])
