@@ -431,21 +431,166 @@ void decode_attention(const Step& step) {
     }
 }
 
+// Prefill chunks: rows whose sequence has more than one query this step. Unlike a decode row, a chunk's many queries
+// share every key and value they read, so the work is a matrix product: lanes hold 16 query vectors (rows x the query
+// heads of one KV head) rather than 16 tokens, and every score, softmax step and weighted sum is a lanewise FMA with
+// a key's or value's element broadcast; no horizontal sums and no transposes of the cache (only of the queries, once
+// per item). A work item is up to `item_lanes` query vectors: rows_per_item rows of one chunk, one KV head. Keys
+// pass KEYS at a time from the sequence's first, each converted to floats once per item; each query vector's softmax
+// is online over them (flash attention). So a query's result depends on its position and the cache alone, never on
+// how its prompt was cut into chunks or items: chunked prefill attends exactly as a whole prompt does.
+constexpr int64_t KEYS = 16;
+
+template <int64_t dim>
+constexpr int64_t item_lane_groups() {  // the item's queries, sums and K/V tile stay within L1 (~32 KB at dim 64)
+    return std::max<int64_t>(1, 192 / dim);
+}
+
+// floats' e^x lanewise (x <= 0), as qrun_exp_nonpositive
+inline Floats exp_nonpositive(Floats x) {
+#if defined(__AVX512F__)
+    return Floats(qrun_exp_nonpositive16(__m512(x)));
+#else
+    for (int64_t i = 0; i < LANES; i++) x[i] = qrun_exp_nonpositive(x[i]);
+    return x;
+#endif
+}
+
+struct PrefillItem {
+    int64_t seq, kv_head, first_row, rows;
+};
+
+// One item: queries [lanes groups][dim] (lanes: query vectors j = row * group + head), their positions (-1: no
+// query), into out.
 template <int kind, int64_t dim>
-int decode_attention_checked(const Step& step) {
+void attend_prefill_item(const Step& step, const PrefillItem& item) {
+    constexpr int64_t groups_most = item_lane_groups<dim>();
+    const int64_t heads = step.num_q_heads, kv_heads = step.num_kv_heads, group = heads / kv_heads;
+    const int64_t chunk_start = step.query_start_loc[item.seq], length = step.seq_lens[item.seq];
+    const int64_t first_position = length - (step.query_start_loc[item.seq + 1] - chunk_start) + item.first_row;
+    const int64_t vectors = item.rows * group, lane_groups = (vectors + LANES - 1) / LANES;
+    const auto offset_of = [&](int64_t j) {  // query vector j's first element in q and out
+        return ((chunk_start + item.first_row + j / group) * heads + item.kv_head * group + j % group) * dim;
+    };
+    const int32_t* table = step.block_tables + item.seq * step.table_width;
+    const int64_t block_mask = (int64_t(1) << step.block_shift) - 1;
+    const auto slot_of = [&](int64_t t) {
+        return (int64_t(table[t >> step.block_shift]) << step.block_shift) + (t & block_mask);
+    };
+    alignas(64) Floats queries[groups_most][dim], sums[groups_most][dim], keys[KEYS][dim / LANES],
+        values[KEYS][dim / LANES], weights[KEYS];
+    Floats positions[groups_most], tops[groups_most], totals[groups_most];
+    int64_t last_position[groups_most];
+    for (int64_t g = 0; g < lane_groups; g++) {
+        for (int64_t lane = 0; lane < LANES; lane++) {
+            const int64_t j = g * LANES + lane;
+            for (int64_t d = 0; d < dim; d++)
+                queries[g][d][lane] = j < vectors ? step.q[offset_of(j) + d] * step.scale : 0.f;
+            positions[g][lane] = j < vectors ? float(first_position + j / group) : -1.f;
+        }
+        last_position[g] = first_position + std::min(vectors - 1, (g + 1) * LANES - 1) / group;
+        tops[g] = Floats{} - FLT_MAX;
+        totals[g] = Floats{};
+        std::fill_n(sums[g], dim, Floats{});
+    }
+    const int64_t end = last_position[lane_groups - 1] + 1;
+    for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
+        const int64_t count = std::min(KEYS, end - k0);
+        for (int64_t t = 0; t < KEYS; t++) {
+            if (t < count) {
+                const int64_t row = slot_of(k0 + t) * kv_heads + item.kv_head;
+                row_vectors<kind, dim>(step.k_cache, row, step.k_scales, keys[t]);
+                row_vectors<kind, dim>(step.v_cache, row, step.v_scales, values[t]);
+            } else {
+                std::fill_n(keys[t], dim / LANES, Floats{});
+            }
+        }
+        const float* key_values = reinterpret_cast<const float*>(keys);
+        const float* value_values = reinterpret_cast<const float*>(values);
+        for (int64_t g = 0; g < lane_groups; g++) {
+            if (k0 > last_position[g]) continue;  // every key of the tile is after this group's queries
+            const int64_t here = std::min(count, last_position[g] + 1 - k0);
+            Floats scores[KEYS] = {};
+            for (int64_t d = 0; d < dim; d++) {
+                const Floats q = queries[g][d];
+                for (int64_t t = 0; t < KEYS; t++) scores[t] += q * key_values[t * dim + d];
+            }
+            Floats top = tops[g];
+            for (int64_t t = 0; t < KEYS; t++) {  // causal: a lane's query sees the keys up to its own position
+                scores[t] = t < here ? (positions[g] >= float(k0 + t) ? scores[t] : Floats{} - FLT_MAX)
+                                     : Floats{} - FLT_MAX;
+                top = scores[t] > top ? scores[t] : top;
+            }
+            const Floats rescale = exp_nonpositive(tops[g] - top);
+            Floats total = totals[g] * rescale;
+            for (int64_t t = 0; t < here; t++) {
+                weights[t] = exp_nonpositive(scores[t] - top);
+                total += weights[t];
+            }
+            tops[g] = top;
+            totals[g] = total;
+            for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
+                Floats acc[LANES];
+                for (int64_t i = 0; i < LANES; i++) acc[i] = sums[g][d0 + i] * rescale;
+                for (int64_t t = 0; t < here; t++) {
+                    const Floats weight = weights[t];
+                    for (int64_t i = 0; i < LANES; i++) acc[i] += weight * value_values[t * dim + d0 + i];
+                }
+                for (int64_t i = 0; i < LANES; i++) sums[g][d0 + i] = acc[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < lane_groups; g++)
+        for (int64_t lane = 0; lane < LANES && g * LANES + lane < vectors; lane++) {
+            float* out = step.out + offset_of(g * LANES + lane);
+            const float total = totals[g][lane];
+            for (int64_t d = 0; d < dim; d++) out[d] = sums[g][d][lane] / total;
+        }
+}
+
+// Every prefill chunk's rows of the step; decode rows are decode_attention's.
+template <int kind, int64_t dim>
+void prefill_attention(const Step& step) {
+    const int64_t group = step.num_q_heads / step.num_kv_heads;
+    const int64_t rows_per_item = std::max<int64_t>(1, item_lane_groups<dim>() * LANES / group);
+    thread_local std::vector<PrefillItem> kept_items;
+    std::vector<PrefillItem>& items = kept_items;
+    items.clear();
+    for (int64_t seq = 0; seq < step.num_seqs; seq++) {
+        const int64_t rows = step.query_start_loc[seq + 1] - step.query_start_loc[seq];
+        if (rows <= 1) continue;
+        for (int64_t first = 0; first < rows; first += rows_per_item)
+            for (int64_t kv_head = 0; kv_head < step.num_kv_heads; kv_head++)
+                items.push_back({seq, kv_head, first, std::min(rows_per_item, rows - first)});
+    }
+    if (items.empty()) return;
+    // the longest first (an item's work grows with its last query's position), so the threads finish together
+    const auto work = [&](const PrefillItem& item) {
+        return step.seq_lens[item.seq] - (step.query_start_loc[item.seq + 1] - step.query_start_loc[item.seq]) +
+               item.first_row + item.rows;
+    };
+    std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return work(a) > work(b); });
+    const int threads = int(std::clamp<int64_t>(int64_t(items.size()), 1, step.threads));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (size_t i = 0; i < items.size(); i++) attend_prefill_item<kind, dim>(step, items[i]);
+}
+
+template <int kind, int64_t dim>
+int attention_checked(const Step& step, bool prefill_chunks) {
     if ((kind == INT8 || kind == INT4) && step.group != group_size<kind, dim>()) return 3;
     decode_attention<kind, dim>(step);
+    if (prefill_chunks) prefill_attention<kind, dim>(step);
     return 0;
 }
 
 template <int kind>
-int decode_attention_for_dim(const Step& step, int64_t dim) {
+int attention_for_dim(const Step& step, int64_t dim, bool prefill_chunks) {
     switch (dim) {
-        case 64: return decode_attention_checked<kind, 64>(step);
-        case 80: return decode_attention_checked<kind, 80>(step);
-        case 96: return decode_attention_checked<kind, 96>(step);
-        case 128: return decode_attention_checked<kind, 128>(step);
-        case 256: return decode_attention_checked<kind, 256>(step);
+        case 64: return attention_checked<kind, 64>(step, prefill_chunks);
+        case 80: return attention_checked<kind, 80>(step, prefill_chunks);
+        case 96: return attention_checked<kind, 96>(step, prefill_chunks);
+        case 128: return attention_checked<kind, 128>(step, prefill_chunks);
+        case 256: return attention_checked<kind, 256>(step, prefill_chunks);
     }
     return 2;
 }
@@ -454,21 +599,23 @@ int decode_attention_for_dim(const Step& step, int64_t dim) {
 
 // 0: done; 1: unknown cache kind; 2: a head_dim without an instantiation (the caller checks
 // `HEAD_DIMS` in cpu_attention.py first); 3: quantized groups other than kv_group_size's.
-extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,
-                                     const void* v_cache, const void* k_scales, const void* v_scales,
-                                     const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
-                                     const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
-                                     int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
-                                     float scale, int threads) {
+// prefill_chunks 0 leaves the rows of sequences with more than one query to the caller.
+extern "C" int qrun_paged_attention(int kv_kind, const float* q, float* out, const void* k_cache,
+                                    const void* v_cache, const void* k_scales, const void* v_scales,
+                                    const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
+                                    const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
+                                    int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
+                                    float scale, int prefill_chunks, int threads) {
     const Step step{q, out, k_cache, v_cache, static_cast<const _Float16*>(k_scales),
                     static_cast<const _Float16*>(v_scales), block_tables, table_width, seq_lens, query_start_loc,
                     num_seqs, num_q_heads, num_kv_heads, block_shift, group, scale, threads};
+    const bool prefill = prefill_chunks != 0;
     switch (kv_kind) {
-        case F32: return decode_attention_for_dim<F32>(step, dim);
-        case BF16: return decode_attention_for_dim<BF16>(step, dim);
-        case F16: return decode_attention_for_dim<F16>(step, dim);
-        case INT8: return decode_attention_for_dim<INT8>(step, dim);
-        case INT4: return decode_attention_for_dim<INT4>(step, dim);
+        case F32: return attention_for_dim<F32>(step, dim, prefill);
+        case BF16: return attention_for_dim<BF16>(step, dim, prefill);
+        case F16: return attention_for_dim<F16>(step, dim, prefill);
+        case INT8: return attention_for_dim<INT8>(step, dim, prefill);
+        case INT4: return attention_for_dim<INT4>(step, dim, prefill);
     }
     return 1;
 }

@@ -1,4 +1,4 @@
-"""Paged attention on the CPU: decode rows in C++ (cpu_attention.cpp), prefill chunks in torch.
+"""Paged attention on the CPU in C++ (cpu_attention.cpp): decode rows and prefill chunks.
 
 torch has no paged attention on the CPU. Its reference here (`paged_attention_ref`) gathers each
 sequence's K/V blocks into new tensors, casts them to float32 and runs SDPA over decode
@@ -21,13 +21,22 @@ rows were first converted into a float buffer and read back once per query head,
 the kernel that looped (sequence, KV head) pairs with a horizontal sum per token; 4 of 1,500
 0.21 against 0.36 and 0.62 ms.
 
-Prefill chunks run torch's SDPA (flash attention) on the chunk's gathered K/V. In bfloat16 on a
-CPU with AMX it multiplies on the tile unit: on a 2-core Xeon (SmolLM2's heads) 512 queries over
-512 keys took 0.95 ms per layer against 2.65 in float32, 512 over 1,024 2.4 against 5.9, 32 over
-2,000 0.49 against 0.87; so a bfloat16 model's chunks attend in bfloat16 there (a quantized
-cache's dequantized to it), in float32 elsewhere (the reference's choice; not measured there).
+Prefill chunks (sequences with more than one query in the step) are a matrix product rather than
+a dot product per row: the kernel puts 16 query vectors in a vector's lanes (a chunk's rows times
+the query heads of one KV head) and multiplies each by a key's or value's element broadcast, so
+scores, the online softmax and the weighted sums are lanewise FMAs with no horizontal sums, each
+cached row converted to floats once per 16-48 queries. Every query's keys pass in tiles of 16
+from the sequence's first, so a prompt attends to the same bits however the scheduler cut it
+into chunks. Against torch's SDPA on the chunk's gathered, float32-cast K/V (the reference):
+64 prompts of `mixed_lengths.jsonl` (12.5k tokens, max_tokens 1, no prefix caching) prefilled at
+1,337-1,403 against 1,088-1,092 prompt tokens/s for SmolLM2 in bfloat16 and 1,480-1,500 against
+1,172-1,278 at 4.0 bpw (an AVX512 EPYC, 2 threads, interleaved; attention fell from ~30% of
+prefill to ~16%). On a CPU with AMX a bfloat16 model's chunks still run SDPA, in bfloat16 on the
+tile unit: on a 2-core Xeon (SmolLM2's heads) 512 queries over 512 keys took 0.95 ms per layer
+against 2.65 in float32 SDPA, 512 over 1,024 2.4 against 5.9, 32 over 2,000 0.49 against 0.87
+(the C++ kernel not measured there yet).
 
-The kernel is `torch.ops.qrun.decode_attention`, part of the C++ library `kernels/cpu_library.py`
+The kernel is `torch.ops.qrun.paged_attention`, part of the C++ library `kernels/cpu_library.py`
 builds (a compiled decode layer keeps it as one call); where it cannot be built the kernel table
 keeps the torch reference (`qrun.kernels.ops_for`).
 """
@@ -53,7 +62,8 @@ def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _prefill_dtype(q: torch.Tensor) -> torch.dtype | None:
-    """bfloat16 for a bfloat16 model's prefill chunks on CPUs with AMX; None: the reference's."""
+    """bfloat16 for a bfloat16 model's prefill chunks on CPUs with AMX (torch's SDPA); None: the C++ kernel's
+    float32."""
     return torch.bfloat16 if q.dtype == torch.bfloat16 and cpu_library.has_amx() else None
 
 
@@ -71,17 +81,18 @@ def paged_attention_cpu(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_ref`'s signature and result: decode rows through the C++ kernel, prefill
-    chunks through the reference (SDPA per chunk); all through the reference where a gradient is
-    wanted."""
+    """`paged_attention_ref`'s signature and result through the C++ kernel (a bfloat16 model's
+    prefill chunks on AMX through the reference's SDPA in bfloat16); all through the reference
+    where a gradient is wanted."""
     # the converter differentiates through the layers: the kernel has no backward
     if not _kernel_takes(q, k_cache, v_cache, k_scales, v_scales) or (torch.is_grad_enabled() and q.requires_grad):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                    max_seq_len, scale, out, k_scales, v_scales)
-    decoded = torch.ops.qrun.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              k_scales, v_scales)
-    out = decoded.to(q.dtype) if out is None else out.copy_(decoded)
-    if max_query_len > 1:
+    prefill_dtype = _prefill_dtype(q)
+    attended = torch.ops.qrun.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                              k_scales, v_scales, prefill_dtype is None)
+    out = attended.to(q.dtype) if out is None else out.copy_(attended)
+    if max_query_len > 1 and prefill_dtype is not None:
         prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                              k_scales, v_scales, _prefill_dtype(q))
+                              k_scales, v_scales, prefill_dtype)
     return out

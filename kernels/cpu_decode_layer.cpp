@@ -301,9 +301,9 @@ class DecodeLayer : public torch::CustomClassHolder {
     // float32 [rows, heads * head_dim] queries' attention over the cache (kernels/cpu_attention.cpp), float32.
     at::Tensor attention(const at::Tensor& queries, const StepMeta& meta, Workspace& workspace) const {
         at::Tensor out = workspace.get(Workspace::ATTENTION, queries.size(0), num_heads_ * head_dim_, at::kFloat);
-        qrun_ops::decode_attention_into(queries, num_heads_, head_dim_, cache_.k, cache_.v, meta.block_tables,
-                                        meta.seq_lens, meta.query_start_loc, scale_, cache_.k_scales,
-                                        cache_.v_scales, out);
+        qrun_ops::paged_attention_into(queries, num_heads_, head_dim_, cache_.k, cache_.v, meta.block_tables,
+                                       meta.seq_lens, meta.query_start_loc, scale_, cache_.k_scales, cache_.v_scales,
+                                       /*prefill_chunks=*/false, out);
         return out;
     }
 

@@ -151,12 +151,12 @@ inline qrun_floats qrun_load_floats(const float* at) {
     return values;
 }
 
-extern "C" int qrun_decode_attention(int kv_kind, const float* q, float* out, const void* k_cache,
-                                     const void* v_cache, const void* k_scales, const void* v_scales,
-                                     const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
-                                     const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
-                                     int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
-                                     float scale, int threads);
+extern "C" int qrun_paged_attention(int kv_kind, const float* q, float* out, const void* k_cache,
+                                    const void* v_cache, const void* k_scales, const void* v_scales,
+                                    const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
+                                    const int32_t* query_start_loc, int64_t num_seqs, int64_t num_q_heads,
+                                    int64_t num_kv_heads, int64_t dim, int64_t block_shift, int64_t group,
+                                    float scale, int prefill_chunks, int threads);
 extern "C" int qrun_dequantize_int4pack(const uint8_t* packed, const uint16_t* scale_zero, uint16_t* out,
                                         int64_t n_total, int64_t k_total, int64_t out_stride, int64_t group,
                                         int accumulate, int threads);

@@ -31,27 +31,28 @@ int kv_kind(const at::Tensor& cache, bool quantized) {
         case at::kFloat: return 0;
         case at::kBFloat16: return 1;
         case at::kHalf: return 2;
-        default: TORCH_CHECK(false, "decode_attention: no kernel for a ", cache.scalar_type(), " cache");
+        default: TORCH_CHECK(false, "paged_attention: no kernel for a ", cache.scalar_type(), " cache");
     }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scales,
-                            const std::optional<at::Tensor>& v_scales) {
-    TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [tokens, heads, head_dim], got ", q.sizes());
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scales,
+                           const std::optional<at::Tensor>& v_scales, bool prefill_chunks) {
+    TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, heads, head_dim], got ", q.sizes());
     const at::Tensor queries = q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty_like(queries);
     at::Tensor flat = out.view({q.size(0), -1});
-    qrun_ops::decode_attention_into(queries.view({q.size(0), -1}), q.size(1), q.size(2), k_cache, v_cache,
-                                    block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
-                                    query_start_loc.to(at::kInt).contiguous(), scale, k_scales, v_scales, flat);
+    qrun_ops::paged_attention_into(queries.view({q.size(0), -1}), q.size(1), q.size(2), k_cache, v_cache,
+                                   block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
+                                   query_start_loc.to(at::kInt).contiguous(), scale, k_scales, v_scales,
+                                   prefill_chunks, flat);
     return out;
 }
 
-at::Tensor decode_attention_shape(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
-                                  const std::optional<at::Tensor>&) {
+at::Tensor paged_attention_shape(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
+                                 const std::optional<at::Tensor>&, bool) {
     return at::empty_symint(q.sym_sizes(), q.options().dtype(at::kFloat));
 }
 
@@ -529,36 +530,37 @@ void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {
     });
 }
 
-void decode_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, const Optional& k_scales,
-                           const Optional& v_scales, at::Tensor& out) {
+void paged_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale, const Optional& k_scales,
+                          const Optional& v_scales, bool prefill_chunks, at::Tensor& out) {
     const auto shaped = [&](const at::Tensor& t) {
         return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == heads * dim;
     };
     TORCH_CHECK(shaped(queries) && shaped(out) && out.size(0) == queries.size(0),
-                "decode_attention: queries and out must be contiguous float32 [tokens, ", heads, " * ", dim, "]");
+                "paged_attention: queries and out must be contiguous float32 [tokens, ", heads, " * ", dim, "]");
     const auto indices = [](const at::Tensor& t) { return t.scalar_type() == at::kInt && t.is_contiguous(); };
     TORCH_CHECK(indices(block_tables) && indices(seq_lens) && indices(query_start_loc),
-                "decode_attention: block_tables, seq_lens and query_start_loc must be contiguous int32");
+                "paged_attention: block_tables, seq_lens and query_start_loc must be contiguous int32");
     const int64_t block_size = k_cache.size(1);
     const int64_t group = k_scales.has_value() ? dim / k_scales->size(-2) : dim;
     int64_t block_shift = 0;
     while ((int64_t(1) << block_shift) < block_size) block_shift++;
-    const int status = qrun_decode_attention(
+    const int status = qrun_paged_attention(
         kv_kind(k_cache, k_scales.has_value()), queries.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr(),
         v_cache.data_ptr(), pointer(k_scales), pointer(v_scales), block_tables.data_ptr<int32_t>(),
         block_tables.size(1), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-        block_tables.size(0), heads, k_cache.size(2), dim, block_shift, group, float(scale), at::get_num_threads());
-    TORCH_CHECK(status == 0, "qrun_decode_attention rejected a ", k_cache.scalar_type(), " cache of head_dim ", dim,
+        block_tables.size(0), heads, k_cache.size(2), dim, block_shift, group, float(scale), int(prefill_chunks),
+        at::get_num_threads());
+    TORCH_CHECK(status == 0, "qrun_paged_attention rejected a ", k_cache.scalar_type(), " cache of head_dim ", dim,
                 " (status ", status, ")");
 }
 
 }  // namespace qrun_ops
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
-    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-          "Tensor query_start_loc, float scale, Tensor? k_scales, Tensor? v_scales) -> Tensor");
+    m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+          "Tensor query_start_loc, float scale, Tensor? k_scales, Tensor? v_scales, bool prefill_chunks) -> Tensor");
     m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
     m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "
@@ -584,7 +586,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
 }
 
 TORCH_LIBRARY_IMPL(qrun, CPU, m) {
-    m.impl("decode_attention", &decode_attention);
+    m.impl("paged_attention", &paged_attention);
     m.impl("dequantize_int4pack", &dequantize_int4pack);
     m.impl("quant_matmul", &quant_matmul);
     m.impl("dequantize_planes", &dequantize_planes);
@@ -602,7 +604,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(qrun, Meta, m) {
-    m.impl("decode_attention", &decode_attention_shape);
+    m.impl("paged_attention", &paged_attention_shape);
     m.impl("dequantize_int4pack", &dequantize_int4pack_shape);
     m.impl("quant_matmul", &quant_matmul_shape);
     m.impl("rotate", &rotate_shape);

@@ -60,11 +60,12 @@ void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);
 
-// out [tokens, heads * dim] float32 = every decode row's attention over the paged cache: queries float32 [tokens,
-// heads * dim] contiguous; block_tables, seq_lens and query_start_loc int32 and contiguous (kernels/cpu_attention.py).
-void decode_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, const Optional& k_scales,
-                           const Optional& v_scales, at::Tensor& out);
+// out [tokens, heads * dim] float32 = every decode row's attention over the paged cache, and every prefill chunk's
+// with prefill_chunks (else those rows are left as they are): queries float32 [tokens, heads * dim] contiguous;
+// block_tables, seq_lens and query_start_loc int32 and contiguous (kernels/cpu_attention.py).
+void paged_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale, const Optional& k_scales,
+                          const Optional& v_scales, bool prefill_chunks, at::Tensor& out);
 
 }  // namespace qrun_ops

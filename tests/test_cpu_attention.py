@@ -1,4 +1,4 @@
-"""The C++ paged decode attention (kernels/cpu_attention.py) against the torch reference, over
+"""The C++ paged attention (kernels/cpu_attention.py) against the torch reference, over
 cache dtypes, GQA ratios, head dims, block sizes, context lengths and steps that mix decode
 rows with prefill chunks; and the kernel table's choice of it."""
 
@@ -116,9 +116,33 @@ def test_without_a_compiler_the_table_keeps_the_references(monkeypatch):
         kernels.ops_for(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("group, dim", [(1, 64), (3, 64), (4, 128), (8, 80), (7, 256)])
+def test_long_prefill_chunks_after_cached_context_equal_the_reference(cache, group, dim):
+    """Chunks spanning several work items (cpu_attention.cpp's rows_per_item) and key tiles, some after cached
+    tokens, beside decode rows."""
+    assert_matches_reference(paged_step(cache, [100, 1, 37, 53], [100, 64, 37 + 150, 53 + 9], kv_heads=2, group=group,
+                                        dim=dim, block_size=16))
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int4"])
+def test_a_prompts_attention_is_the_same_bits_however_it_is_cut_into_chunks(cache):
+    """Each query's keys pass in the same tiles from the sequence's first whatever the chunk: chunked prefill attends
+    exactly as the whole prompt does (a chunk of one token is a decode row, the decode kernel's)."""
+    length = 150
+    whole = paged_step(cache, [length], [length], kv_heads=3, group=3, dim=64, block_size=16, seed=5)
+    expected = cpu_attention.paged_attention_cpu(*whole)
+    q, k_cache, v_cache, tables = whole[:4]
+    for cut in (2, 16, 47, 100, 148):
+        for begin, end in ((0, cut), (cut, length)):
+            part = (q[begin:end], k_cache, v_cache, tables, torch.tensor([end], dtype=torch.int32),
+                    torch.tensor([0, end - begin], dtype=torch.int32), end - begin, end, *whole[8:])
+            assert torch.equal(cpu_attention.paged_attention_cpu(*part), expected[begin:end]), (cut, begin)
+
+
 @pytest.mark.parametrize("amx", [True, False])
-def test_a_bfloat16_models_prefill_chunks_attend_in_bfloat16_only_with_amx(monkeypatch, amx):
-    """torch's flash attention runs bfloat16 on AMX's tile unit; elsewhere the reference's float32."""
+def test_a_bfloat16_models_prefill_chunks_run_sdpa_in_bfloat16_with_amx_and_the_kernel_elsewhere(monkeypatch, amx):
+    """torch's flash attention runs bfloat16 on AMX's tile unit; elsewhere the C++ kernel (float32) is faster."""
     monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
     seen = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -130,10 +154,8 @@ def test_a_bfloat16_models_prefill_chunks_attend_in_bfloat16_only_with_amx(monke
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     args = paged_step("bfloat16", [5, 1], [9, 20], kv_heads=2, group=2, dim=64, block_size=16)
     got = cpu_attention.paged_attention_cpu(*args)
-    expected = torch.bfloat16 if amx else torch.float32
-    assert seen == [(expected, expected)]  # the prefill chunk; the decode row runs the C++ kernel
+    assert seen == ([(torch.bfloat16, torch.bfloat16)] if amx else [])  # the prefill chunk; decode rows: the kernel
     torch.testing.assert_close(got, paged_attention_ref(*args), rtol=8e-3, atol=8e-3)
-    float32_args = paged_step("float32", [5], [9], kv_heads=2, group=2, dim=64, block_size=16)
     seen.clear()
-    cpu_attention.paged_attention_cpu(*float32_args)
-    assert seen == [(torch.float32, torch.float32)]
+    cpu_attention.paged_attention_cpu(*paged_step("float32", [5], [9], kv_heads=2, group=2, dim=64, block_size=16))
+    assert seen == []
