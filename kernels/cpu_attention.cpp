@@ -7,6 +7,7 @@
 // head_dim is a template parameter for the common sizes, so the row loops unroll and vectorise.
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -435,10 +436,11 @@ void decode_attention(const Step& step) {
 // share every key and value they read, so the work is a matrix product: lanes hold 16 query vectors (rows x the query
 // heads of one KV head) rather than 16 tokens, and every score, softmax step and weighted sum is a lanewise FMA with
 // a key's or value's element broadcast; no horizontal sums and no transposes of the cache (only of the queries, once
-// per item). A work item is up to `item_lanes` query vectors: rows_per_item rows of one chunk, one KV head. Keys
-// pass KEYS at a time from the sequence's first, each converted to floats once per item; each query vector's softmax
-// is online over them (flash attention). So a query's result depends on its position and the cache alone, never on
-// how its prompt was cut into chunks or items: chunked prefill attends exactly as a whole prompt does.
+// per item). A work item is up to item_lane_groups() x 16 query vectors: rows_per_item rows of one chunk, one KV
+// head. Keys pass KEYS at a time from the sequence's first, each read once per item (a tile: FloatTile, BfloatTile);
+// each query vector's softmax is online over them (flash attention). So a query's result depends on its position and
+// the cache alone, never on how its prompt was cut into chunks or items: chunked prefill attends exactly as a whole
+// prompt does.
 constexpr int64_t KEYS = 16;
 
 template <int64_t dim>
@@ -460,10 +462,139 @@ struct PrefillItem {
     int64_t seq, kv_head, first_row, rows;
 };
 
+// A tile of KEYS keys and values as the float path multiplies them: rows converted to floats once per item, their
+// elements broadcast against query vectors in lanes (queries: [dim] vectors, lane j = query vector j).
+template <int kind, int64_t dim>
+struct FloatTile {
+    using Queries = const Floats*;
+    alignas(64) Floats keys[KEYS][dim / LANES], values[KEYS][dim / LANES];
+
+    static Queries prepare(const Floats* queries) { return queries; }
+
+    // rows[t]: the cache row of key t (count of them; the rest pad as zeros)
+    void load(const Step& step, const int64_t* rows, int64_t count) {
+        for (int64_t t = 0; t < KEYS; t++) {
+            if (t < count) {
+                row_vectors<kind, dim>(step.k_cache, rows[t], step.k_scales, keys[t]);
+                row_vectors<kind, dim>(step.v_cache, rows[t], step.v_scales, values[t]);
+            } else {
+                std::fill_n(keys[t], dim / LANES, Floats{});
+            }
+        }
+    }
+
+    // scores[t] = the queries' dot products with key t
+    void score(Queries queries, Floats* scores) const {
+        const float* key_values = reinterpret_cast<const float*>(keys);
+        for (int64_t t = 0; t < KEYS; t++) scores[t] = Floats{};
+        for (int64_t d = 0; d < dim; d++) {
+            const Floats q = queries[d];
+            for (int64_t t = 0; t < KEYS; t++) scores[t] += q * key_values[t * dim + d];
+        }
+    }
+
+    // sums[d] = sums[d] * rescale + sum over t < here of weights[t] * value t's element d
+    void accumulate(const Floats* weights, int64_t here, Floats rescale, Floats* sums) const {
+        const float* value_values = reinterpret_cast<const float*>(values);
+        for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
+            Floats acc[LANES];
+            for (int64_t i = 0; i < LANES; i++) acc[i] = sums[d0 + i] * rescale;
+            for (int64_t t = 0; t < here; t++) {
+                const Floats weight = weights[t];
+                for (int64_t i = 0; i < LANES; i++) acc[i] += weight * value_values[t * dim + d0 + i];
+            }
+            for (int64_t i = 0; i < LANES; i++) sums[d0 + i] = acc[i];
+        }
+    }
+};
+
+#if defined(__AVX512BF16__)
+// A bfloat16 cache's tile multiplied two products an instruction (vdpbf16ps), at half the float path's instructions:
+// queries and the softmax weights rounded to bfloat16 (as a GPU's flash attention multiplies them), keys read where
+// they lie (a pair of a row's elements broadcast against the queries' pairs), values interleaved two tokens a pair.
+template <int64_t dim>
+struct BfloatTile {
+    using Queries = std::array<__m512bh, dim / 2>;  // lane j: query vector j's elements 2p, 2p + 1
+    const uint32_t* keys[KEYS];  // each key's row: dim / 2 pairs
+    alignas(64) uint32_t value_pairs[KEYS / 2][dim];  // [t / 2][d]: value t's element d, value t + 1's above it
+    alignas(64) uint16_t zeros[dim] = {};
+
+    // 16 lanes of (a, b) as bfloat16 pairs, a in the low half
+    static __m512bh pairs(__m512 a, __m512 b) {
+        const __m512i both = __m512i(_mm512_cvtne2ps_pbh(b, a));  // a's 16 values, then b's
+        const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        return __m512bh(_mm512_permutexvar_epi16(order, both));
+    }
+
+    static Queries prepare(const Floats* queries) {
+        Queries prepared;
+        for (int64_t p = 0; p < dim / 2; p++) prepared[p] = pairs(__m512(queries[2 * p]), __m512(queries[2 * p + 1]));
+        return prepared;
+    }
+
+    void load(const Step& step, const int64_t* rows, int64_t count) {
+        const uint16_t* cache = static_cast<const uint16_t*>(step.v_cache);
+        const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+        for (int64_t t = 0; t < KEYS; t += 2) {
+            keys[t] = reinterpret_cast<const uint32_t*>(t < count ? static_cast<const uint16_t*>(step.k_cache) +
+                                                                        rows[t] * dim : zeros);
+            keys[t + 1] = reinterpret_cast<const uint32_t*>(
+                t + 1 < count ? static_cast<const uint16_t*>(step.k_cache) + rows[t + 1] * dim : zeros);
+            const uint16_t* first = t < count ? cache + rows[t] * dim : zeros;
+            const uint16_t* second = t + 1 < count ? cache + rows[t + 1] * dim : zeros;
+            for (int64_t d = 0; d < dim; d += 32) {  // 32 elements of each row: 32 pairs
+                const __m512i a = _mm512_loadu_si512(first + d), b = _mm512_loadu_si512(second + d);
+                _mm512_store_si512(value_pairs[t / 2] + d, _mm512_permutex2var_epi16(a, low, b));
+                _mm512_store_si512(value_pairs[t / 2] + d + 16, _mm512_permutex2var_epi16(a, high, b));
+            }
+        }
+    }
+
+    void score(const Queries& queries, Floats* scores) const {
+        __m512 acc[KEYS];
+        for (int64_t t = 0; t < KEYS; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < dim / 2; p++)
+            for (int64_t t = 0; t < KEYS; t++)
+                acc[t] = _mm512_dpbf16_ps(acc[t], queries[p], __m512bh(_mm512_set1_epi32(int(keys[t][p]))));
+        for (int64_t t = 0; t < KEYS; t++) scores[t] = Floats(acc[t]);
+    }
+
+    void accumulate(const Floats* weights, int64_t here, Floats rescale, Floats* sums) const {
+        __m512bh weight_pairs[KEYS / 2];
+        for (int64_t t = 0; t < here; t += 2) {  // an odd last weight pairs with a zero weight
+            const __m512 next = t + 1 < here ? __m512(weights[t + 1]) : _mm512_setzero_ps();
+            weight_pairs[t / 2] = pairs(__m512(weights[t]), next);
+        }
+        for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
+            __m512 acc[LANES];
+            for (int64_t i = 0; i < LANES; i++) acc[i] = __m512(sums[d0 + i] * rescale);
+            for (int64_t t = 0; t < here; t += 2)
+                for (int64_t i = 0; i < LANES; i++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], weight_pairs[t / 2],
+                                              __m512bh(_mm512_set1_epi32(int(value_pairs[t / 2][d0 + i]))));
+            for (int64_t i = 0; i < LANES; i++) sums[d0 + i] = Floats(acc[i]);
+        }
+    }
+};
+#endif
+
+// The tile a kind multiplies with on this CPU (the bfloat16 tile interleaves values 32 elements at a time).
+#if defined(__AVX512BF16__)
+template <int kind, int64_t dim>
+using PrefillTile = std::conditional_t<kind == BF16 && dim % 32 == 0, BfloatTile<dim>, FloatTile<kind, dim>>;
+#else
+template <int kind, int64_t dim>
+using PrefillTile = FloatTile<kind, dim>;
+#endif
+
 // One item: queries [lanes groups][dim] (lanes: query vectors j = row * group + head), their positions (-1: no
 // query), into out.
 template <int kind, int64_t dim>
 void attend_prefill_item(const Step& step, const PrefillItem& item) {
+    using Tile = PrefillTile<kind, dim>;
     constexpr int64_t groups_most = item_lane_groups<dim>();
     const int64_t heads = step.num_q_heads, kv_heads = step.num_kv_heads, group = heads / kv_heads;
     const int64_t chunk_start = step.query_start_loc[item.seq], length = step.seq_lens[item.seq];
@@ -477,8 +608,8 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
     const auto slot_of = [&](int64_t t) {
         return (int64_t(table[t >> step.block_shift]) << step.block_shift) + (t & block_mask);
     };
-    alignas(64) Floats queries[groups_most][dim], sums[groups_most][dim], keys[KEYS][dim / LANES],
-        values[KEYS][dim / LANES], weights[KEYS];
+    alignas(64) Floats queries[groups_most][dim], sums[groups_most][dim], weights[KEYS];
+    typename Tile::Queries prepared[groups_most];
     Floats positions[groups_most], tops[groups_most], totals[groups_most];
     int64_t last_position[groups_most];
     for (int64_t g = 0; g < lane_groups; g++) {
@@ -488,33 +619,24 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
                 queries[g][d][lane] = j < vectors ? step.q[offset_of(j) + d] * step.scale : 0.f;
             positions[g][lane] = j < vectors ? float(first_position + j / group) : -1.f;
         }
+        prepared[g] = Tile::prepare(queries[g]);
         last_position[g] = first_position + std::min(vectors - 1, (g + 1) * LANES - 1) / group;
         tops[g] = Floats{} - FLT_MAX;
         totals[g] = Floats{};
         std::fill_n(sums[g], dim, Floats{});
     }
+    Tile tile;
     const int64_t end = last_position[lane_groups - 1] + 1;
     for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
         const int64_t count = std::min(KEYS, end - k0);
-        for (int64_t t = 0; t < KEYS; t++) {
-            if (t < count) {
-                const int64_t row = slot_of(k0 + t) * kv_heads + item.kv_head;
-                row_vectors<kind, dim>(step.k_cache, row, step.k_scales, keys[t]);
-                row_vectors<kind, dim>(step.v_cache, row, step.v_scales, values[t]);
-            } else {
-                std::fill_n(keys[t], dim / LANES, Floats{});
-            }
-        }
-        const float* key_values = reinterpret_cast<const float*>(keys);
-        const float* value_values = reinterpret_cast<const float*>(values);
+        int64_t rows[KEYS];
+        for (int64_t t = 0; t < count; t++) rows[t] = slot_of(k0 + t) * kv_heads + item.kv_head;
+        tile.load(step, rows, count);
         for (int64_t g = 0; g < lane_groups; g++) {
             if (k0 > last_position[g]) continue;  // every key of the tile is after this group's queries
             const int64_t here = std::min(count, last_position[g] + 1 - k0);
-            Floats scores[KEYS] = {};
-            for (int64_t d = 0; d < dim; d++) {
-                const Floats q = queries[g][d];
-                for (int64_t t = 0; t < KEYS; t++) scores[t] += q * key_values[t * dim + d];
-            }
+            Floats scores[KEYS];
+            tile.score(prepared[g], scores);
             Floats top = tops[g];
             for (int64_t t = 0; t < KEYS; t++) {  // causal: a lane's query sees the keys up to its own position
                 scores[t] = t < here ? (positions[g] >= float(k0 + t) ? scores[t] : Floats{} - FLT_MAX)
@@ -529,15 +651,7 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
             }
             tops[g] = top;
             totals[g] = total;
-            for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
-                Floats acc[LANES];
-                for (int64_t i = 0; i < LANES; i++) acc[i] = sums[g][d0 + i] * rescale;
-                for (int64_t t = 0; t < here; t++) {
-                    const Floats weight = weights[t];
-                    for (int64_t i = 0; i < LANES; i++) acc[i] += weight * value_values[t * dim + d0 + i];
-                }
-                for (int64_t i = 0; i < LANES; i++) sums[g][d0 + i] = acc[i];
-            }
+            tile.accumulate(weights, here, rescale, sums[g]);
         }
     }
     for (int64_t g = 0; g < lane_groups; g++)
