@@ -35,7 +35,8 @@ AVX512 EPYC, 2 threads: 512 queries over 512 keys 1.27 ms against 5.15 (4.1x), 5
 3.22 against 10.2, 32 over 2,000 0.50 against 1.43, 2,048 over 2,048 17.3 against 44.8 (2.6x);
 64 prompts of `mixed_lengths.jsonl` (12.5k tokens, max_tokens 1, no prefix caching) prefilled at
 1,404-1,505 against 1,071-1,133 prompt tokens/s for SmolLM2 in bfloat16 and 1,554-1,556 against
-1,211-1,224 at 4.0 bpw (interleaved in one process). On a CPU with AMX a bfloat16 model's chunks
+1,211-1,224 at 4.0 bpw, and one prompt of 1,956 tokens in 1.63-1.71 against 2.41-2.78 s (bfloat16)
+and 1.40-1.58 against 2.18-2.27 s (4.0 bpw) (interleaved in one process). On a CPU with AMX a bfloat16 model's chunks
 still run SDPA, in bfloat16 on the tile unit, as measured there before this kernel: on a 2-core
 Xeon 512 queries over 512 keys took 0.95 ms per layer against 2.65 in float32 SDPA, 512 over
 1,024 2.4 against 5.9, 32 over 2,000 0.49 against 0.87 (the C++ kernel not yet measured there).
@@ -66,8 +67,8 @@ def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _prefill_dtype(q: torch.Tensor) -> torch.dtype | None:
-    """bfloat16 for a bfloat16 model's prefill chunks on CPUs with AMX (torch's SDPA); None: the C++ kernel's
-    float32."""
+    """bfloat16 for a bfloat16 model's prefill chunks on CPUs with AMX (torch's SDPA on the tile
+    unit); None: the C++ kernel's."""
     return torch.bfloat16 if q.dtype == torch.bfloat16 and cpu_library.has_amx() else None
 
 
