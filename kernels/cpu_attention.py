@@ -36,9 +36,9 @@ AVX512 EPYC, 2 threads: 512 queries over 512 keys 1.27 ms against 5.15 (4.1x), 5
 64 prompts of `mixed_lengths.jsonl` (12.5k tokens, max_tokens 1, no prefix caching) prefilled at
 1,404-1,505 against 1,071-1,133 prompt tokens/s for SmolLM2 in bfloat16 and 1,554-1,556 against
 1,211-1,224 at 4.0 bpw, and one prompt of 1,956 tokens in 1.63-1.71 against 2.41-2.78 s (bfloat16)
-and 1.40-1.58 against 2.18-2.27 s (4.0 bpw) (interleaved in one process). On a CPU with AMX a bfloat16 model's chunks
-still run SDPA, in bfloat16 on the tile unit, as measured there before this kernel: on a 2-core
-Xeon 512 queries over 512 keys took 0.95 ms per layer against 2.65 in float32 SDPA, 512 over
+and 1.40-1.58 against 2.18-2.27 s (4.0 bpw) (interleaved in one process). On a CPU with AMX a
+bfloat16 model's chunks still run SDPA, in bfloat16 on the tile unit, as measured there before
+this kernel: on a 2-core Xeon 512 queries over 512 keys took 0.95 ms per layer against 2.65 in float32 SDPA, 512 over
 1,024 2.4 against 5.9, 32 over 2,000 0.49 against 0.87 (the C++ kernel not yet measured there).
 
 The kernel is `torch.ops.qrun.paged_attention`, part of the C++ library `kernels/cpu_library.py`
