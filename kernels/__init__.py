@@ -2,7 +2,7 @@
 references.
 
 `QRUN_KERNELS=torch|triton|cpu|auto` forces a choice; `auto` runs Triton on CUDA devices, and on
-the CPU the C++ kernels where an op has one (paged attention's decode rows:
+the CPU the C++ kernels where an op has one (paged attention, decode rows and prefill chunks:
 `kernels/cpu_attention.py`; the rotation and its inverse: `kernels/cpu_rotation.py`; RMSNorm:
 `kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the MLP's SiLU-gated activation:
 `kernels/cpu_activation.py`; the quantized cache store: `kernels/cpu_kv_store.py`; greedy
