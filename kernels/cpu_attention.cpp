@@ -1,9 +1,10 @@
-// Paged decode attention for CPUs: every sequence of a step that decodes one token attends over
-// its cached keys and values, read in place from the cache blocks in their stored dtype.
-// Built and loaded by kernels/cpu_attention.py, which documents the layout and the reasons.
+// Paged attention for CPUs: every row of a step attends over its sequence's cached keys and values, read in place
+// from the cache blocks in their stored dtype. Built and loaded by kernels/cpu_attention.py, which documents the
+// layout and the reasons.
 //
-// Work is split over chunks of each decode row's tokens (all KV heads); per chunk, each query head's scores from one
-// pass over the keys, its softmax weights, one pass over the values, in float32; chunks merged after (see CHUNK).
+// Decode rows (one query in their sequence): work is split over chunks of each row's tokens (all KV heads); per
+// chunk, each query head's scores from one pass over the keys, its softmax weights, one pass over the values, in
+// float32; chunks merged after (see CHUNK). Prefill chunks: 16 queries a vector's lanes (see KEYS).
 // head_dim is a template parameter for the common sizes, so the row loops unroll and vectorise.
 
 #include <algorithm>
