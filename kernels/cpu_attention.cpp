@@ -534,18 +534,18 @@ struct BfloatTile {
         return prepared;
     }
 
+    // FloatTile::load's contract; keys past count read zeros, and so do values
     void load(const Step& step, const int64_t* rows, int64_t count) {
-        const uint16_t* cache = static_cast<const uint16_t*>(step.v_cache);
+        const auto row_of = [&](const void* cache, int64_t t) {
+            return t < count ? static_cast<const uint16_t*>(cache) + rows[t] * dim : zeros;
+        };
         const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
         for (int64_t t = 0; t < KEYS; t += 2) {
-            keys[t] = reinterpret_cast<const uint32_t*>(t < count ? static_cast<const uint16_t*>(step.k_cache) +
-                                                                        rows[t] * dim : zeros);
-            keys[t + 1] = reinterpret_cast<const uint32_t*>(
-                t + 1 < count ? static_cast<const uint16_t*>(step.k_cache) + rows[t + 1] * dim : zeros);
-            const uint16_t* first = t < count ? cache + rows[t] * dim : zeros;
-            const uint16_t* second = t + 1 < count ? cache + rows[t + 1] * dim : zeros;
+            keys[t] = reinterpret_cast<const uint32_t*>(row_of(step.k_cache, t));
+            keys[t + 1] = reinterpret_cast<const uint32_t*>(row_of(step.k_cache, t + 1));
+            const uint16_t *first = row_of(step.v_cache, t), *second = row_of(step.v_cache, t + 1);
             for (int64_t d = 0; d < dim; d += 32) {  // 32 elements of each row: 32 pairs
                 const __m512i a = _mm512_loadu_si512(first + d), b = _mm512_loadu_si512(second + d);
                 _mm512_store_si512(value_pairs[t / 2] + d, _mm512_permutex2var_epi16(a, low, b));
@@ -554,6 +554,7 @@ struct BfloatTile {
         }
     }
 
+    // FloatTile::score's, in pairs of elements
     void score(const Queries& queries, Floats* scores) const {
         __m512 acc[KEYS];
         for (int64_t t = 0; t < KEYS; t++) acc[t] = _mm512_setzero_ps();
@@ -563,6 +564,7 @@ struct BfloatTile {
         for (int64_t t = 0; t < KEYS; t++) scores[t] = Floats(acc[t]);
     }
 
+    // FloatTile::accumulate's, in pairs of tokens
     void accumulate(const Floats* weights, int64_t here, Floats rescale, Floats* sums) const {
         __m512bh weight_pairs[KEYS / 2];
         for (int64_t t = 0; t < here; t += 2) {  // an odd last weight pairs with a zero weight
