@@ -27,19 +27,17 @@ the query heads of one KV head) and multiplies each by a key's or value's elemen
 scores, the online softmax and the weighted sums are lanewise multiply-adds with no horizontal
 sums, each cached row read once per 16-48 queries. A bfloat16 cache on a CPU with AVX512-BF16
 multiplies pairs (`vdpbf16ps`: queries and softmax weights rounded to bfloat16, as a GPU's flash
-attention multiplies them; 1.5-1.8x the float32 path's speed); other caches convert rows to
-float32. Every query's keys pass in tiles of 16 from the sequence's first, so a prompt attends to
-the same bits however the scheduler cut it into chunks. Against torch's SDPA on the chunk's
-gathered, float32-cast K/V (the reference), SmolLM2's heads, a bfloat16 cache, one layer, an
-AVX512 EPYC, 2 threads: 512 queries over 512 keys 1.27 ms against 5.15 (4.1x), 512 over 1,024
-3.22 against 10.2, 32 over 2,000 0.50 against 1.43, 2,048 over 2,048 17.3 against 44.8 (2.6x);
-64 prompts of `mixed_lengths.jsonl` (12.5k tokens, max_tokens 1, no prefix caching) prefilled at
-1,404-1,505 against 1,071-1,133 prompt tokens/s for SmolLM2 in bfloat16 and 1,554-1,556 against
-1,211-1,224 at 4.0 bpw, and one prompt of 1,956 tokens in 1.63-1.71 against 2.41-2.78 s (bfloat16)
-and 1.40-1.58 against 2.18-2.27 s (4.0 bpw) (interleaved in one process). On a CPU with AMX a
-bfloat16 model's chunks still run SDPA, in bfloat16 on the tile unit, as measured there before
-this kernel: on a 2-core Xeon 512 queries over 512 keys took 0.95 ms per layer against 2.65 in float32 SDPA, 512 over
-1,024 2.4 against 5.9, 32 over 2,000 0.49 against 0.87 (the C++ kernel not yet measured there).
+attention multiplies them); other caches convert rows to float32. Every query's keys pass in
+tiles of 16 from the sequence's first, so a prompt attends to the same bits however the scheduler
+cut it into chunks. Against torch's SDPA on the chunk's gathered, float32-cast K/V (the
+reference), one layer of SmolLM2's heads on an AVX512 EPYC, 2 threads
+(`scripts/attention_speed.py`, 2026-12-04): a bfloat16 cache 512 queries over 512 keys 1.33 ms
+against 5.25 (3.95x), 512 over 1,024 3.34 against 12.2, 32 over 2,000 0.50 against 1.46, 2,048
+over 2,048 17.5 against 43.4 (2.47x); float32, int8 and int4 caches 1.48-3.23x (rows converted
+to float32, no pairs). On a CPU with AMX a bfloat16 model's chunks still run SDPA, in
+bfloat16 on the tile unit, as measured there before this kernel: on a 2-core Xeon 512 queries
+over 512 keys took 0.95 ms per layer against 2.65 in float32 SDPA, 512 over 1,024 2.4 against
+5.9, 32 over 2,000 0.49 against 0.87 (the C++ kernel not yet measured there).
 
 The kernel is `torch.ops.qrun.paged_attention`, part of the C++ library `kernels/cpu_library.py`
 builds (a compiled decode layer keeps it as one call); where it cannot be built the kernel table
