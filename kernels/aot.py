@@ -134,19 +134,20 @@ def attention_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
 
 
 def linear_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
-    """Dequant-matmul for each linear: the GEMV path at 1-4 rows and the autotuned tiles at 16
-    and 4096 rows."""
-    from qrun.kernels.dequant_matmul import GEMV_MAX_M, dequant_matmul_launches
+    """Dequant-matmul for each linear: the GEMV path at 1-4 rows, the autotuned tiles at 16 and 64
+    rows, and the dequantization that precedes torch's matmul above."""
+    from qrun.kernels.dequant_matmul import GEMV_MAX_M, TILED_MAX_M, dequant_matmul_launches
 
     for name, (k, n) in shape.linears.items():
         groups = k // GROUP_SIZE
         packed = (_meta(groups * GROUP_SIZE * 8 // 32, n, dtype=torch.int32), _meta(groups, 2, dtype=torch.int32),
                   _meta(groups, n, dtype=torch.uint8), _meta(n, dtype=torch.float32))
         perm = _meta(k, dtype=torch.int32)
-        for rows in sorted({1, 2, GEMV_MAX_M, 16, 4096}):
+        for rows in sorted({1, 2, GEMV_MAX_M, 16, TILED_MAX_M, 4096}):
             launches = dequant_matmul_launches(_meta(rows, k, dtype=dtype), *packed, None, None, perm, GROUP_SIZE,
-                                               None, sms=1, every_config=True)
-            yield Site(f"{name} {k}x{n}, {rows} rows", [[launch] for launch in launches], keep_all=rows > GEMV_MAX_M)
+                                               sms=1, every_config=True)
+            yield Site(f"{name} {k}x{n}, {rows} rows", [[launch] for launch in launches],
+                       keep_all=GEMV_MAX_M < rows <= TILED_MAX_M)
 
 
 def elementwise_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:

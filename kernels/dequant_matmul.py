@@ -95,7 +95,7 @@ def dequant_matmul_ref(
 # Triton implementation
 # ---------------------------------------------------------------------------------------------
 #
-# Both kernels walk the packed rows group by group (each group's width and first word come from
+# The kernels walk the packed rows group by group (each group's width and first word come from
 # qgroups at run time, so one compiled kernel serves any mix of widths) and 32-row chunk by
 # chunk: row j of a chunk is the `bits`-wide field at bit j*bits of the chunk's words, read as
 # (lo >> s) | (hi << (32 - s)) where it straddles two words. A chunk's words for BLOCK_N columns
@@ -103,12 +103,20 @@ def dequant_matmul_ref(
 # with the group's scale/min (8-bit codes times the column's step), and multiplied with the
 # activations gathered through `perm`.
 #
+# A program's groups follow one another through dependent loads (a group's qgroups entry, then
+# its words), so a GPU is busy only with many programs in flight: both product kernels cut the
+# groups into ranges (split-K) until about PROGRAMS_PER_SM programs run on each SM, and write
+# fp32 partials [splits, M, N] that are summed afterwards (at two programs per SM an H200 ran a
+# 4096 x 4096 GEMV at 3% of its bytes floor, 3.7x slower than the bfloat16 dense product).
+#
 # - GEMV path (M <= 4, decode): no tensor cores, an fp32 broadcast-multiply-reduce into an
-#   [M, BLOCK_N] accumulator; the grid is (N / BLOCK_N, SPLIT_K) where SPLIT_K cuts the groups
-#   into ranges when N alone can't fill the GPU. Each weight byte is read from DRAM once; the
-#   SPLIT_K fp32 partials ([SPLIT_K, M, N], tiny) are summed afterwards.
-# - Tiled path (larger M): tl.dot on [BLOCK_M, 32] x [32, BLOCK_N] tiles (dequantized weights
-#   cast to the activation dtype, fp32 accumulation), autotuned over tile shapes on a GPU.
+#   [M, BLOCK_N] accumulator. Each weight byte is read from DRAM once.
+# - Tiled path (M <= TILED_MAX_M): tl.dot on [BLOCK_M, 32] x [32, BLOCK_N] tiles (dequantized
+#   weights cast to the activation dtype, fp32 accumulation), autotuned over tile shapes on a GPU.
+# - Above (prefill): the weight dequantized to the activations' dtype by `_dequantize_kernel`
+#   (every group and column block at once) and multiplied by torch's matmul (cuBLAS), as the CPU
+#   path does from 1024 rows: 32-row chunks are too thin a K for tensor cores to pay off in the
+#   tiled kernel, and the dequantization costs one pass over the weight.
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -193,15 +201,16 @@ def _dq_gemv_kernel(
 
 @triton.jit
 def _dq_mm_kernel(
-    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, smax_ptr, mins_ptr, mmax_ptr, perm_ptr, bias_ptr, y_ptr,
-    M, N, num_groups,
-    stride_xm, stride_qw, stride_s, stride_ym,
+    x_ptr, qw_ptr, qgroups_ptr, scales_ptr, smax_ptr, mins_ptr, mmax_ptr, perm_ptr, part_ptr,
+    M, N, num_groups, groups_per_split,
+    stride_xm, stride_qw, stride_s, stride_pk, stride_pm,
     M_BUCKET,  # unused by the kernel: the autotuner's key, so M need not match exactly
-    GROUP_SIZE: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HAS_MINS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rows_m < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -210,7 +219,9 @@ def _dq_mm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sstep, mstep = _column_steps(smax_ptr, mmax_ptr, cols, col_mask, HAS_MINS)
     x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm
-    for g in range(0, num_groups):
+    g_lo = split * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+    for g in range(g_lo, g_hi):
         bits = tl.load(qgroups_ptr + 2 * g)
         word0 = tl.load(qgroups_ptr + 2 * g + 1)
         scale, minv = _group_params(scales_ptr, mins_ptr, g * stride_s, cols, col_mask, sstep, mstep, HAS_MINS)
@@ -222,15 +233,36 @@ def _dq_mm_kernel(
                 acc += tl.dot(xk.to(tl.float32), w, input_precision="ieee")
             else:
                 acc += tl.dot(xk, w.to(xk.dtype))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & col_mask[None, :])
+    out = part_ptr + split * stride_pk + rows_m.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(
+    qw_ptr, qgroups_ptr, scales_ptr, smax_ptr, mins_ptr, mmax_ptr, w_ptr,
+    N, stride_qw, stride_s, stride_w,
+    GROUP_SIZE: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """w [K, N] (packed row order, w_ptr's dtype) = the weight of one group x BLOCK_N columns a program."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    j = tl.arange(0, 32)
+    sstep, mstep = _column_steps(smax_ptr, mmax_ptr, cols, col_mask, HAS_MINS)
+    bits = tl.load(qgroups_ptr + 2 * g)
+    word0 = tl.load(qgroups_ptr + 2 * g + 1)
+    scale, minv = _group_params(scales_ptr, mins_ptr, g * stride_s, cols, col_mask, sstep, mstep, HAS_MINS)
+    for c in range(GROUP_SIZE // 32):
+        w = _dequant_chunk(qw_ptr, stride_qw, word0 + c * bits, bits, cols, col_mask, scale, minv, HAS_MINS)
+        rows = (g * GROUP_SIZE + c * 32 + j).to(tl.int64)
+        tl.store(w_ptr + rows[:, None] * stride_w + cols[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=col_mask[None, :])
 
 
 def _mm_configs():
+    # (16, 64) comes with 8 warps too: with 4 it spills registers on sm_80 at groups of 128
     configs = []
-    for bm, bn, warps, stages in [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+    for bm, bn, warps, stages in [(16, 64, 4, 3), (16, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
                                   (128, 64, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4), (64, 256, 8, 3)]:
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
     return configs
@@ -265,22 +297,34 @@ def _prune_mm_configs(configs, named_args, **launch_kwargs):
 
 _dq_mm_tuned = triton.autotune(
     configs=_mm_configs(),
-    key=["M_BUCKET", "N", "num_groups", "GROUP_SIZE", "HAS_MINS"],
+    key=["M_BUCKET", "N", "num_groups", "groups_per_split", "GROUP_SIZE", "HAS_MINS"],
     prune_configs_by={"early_config_prune": _prune_mm_configs},
 )(_dq_mm_kernel)
 
 GEMV_MAX_M = 4
+# TILED_MAX_M and PROGRAMS_PER_SM are not yet timed on a GPU (none was lent since they were set):
+# scripts/gpu_check.py's dequant_matmul rows time the path not taken beside each size, to set them by.
+TILED_MAX_M = 64  # above: dequantize, then torch's matmul
+PROGRAMS_PER_SM = 16
+GEMV_BLOCK_N = 64
+# The tile split-K plans with (the autotuner picks the tile afterwards): the narrowest of _mm_configs.
+SPLIT_BLOCK_M, SPLIT_BLOCK_N = 16, 64
+DEQUANT_BLOCK_N = 128
 
 
-def gemv_split_k(n: int, num_groups: int, sms: int) -> int:
-    """Groups are cut into this many ranges so that about two programs run per SM (a count
-    that leaves no range empty)."""
-    want = triton.cdiv(2 * sms, triton.cdiv(n, GEMV_BLOCK_N))
-    groups_per_split = triton.cdiv(num_groups, max(1, min(want, num_groups)))
+def partial_splits(m: int, n: int, num_groups: int, weight_bytes: int, sms: int) -> int:
+    """Ranges the groups of a product of m <= TILED_MAX_M rows are cut into: about
+    PROGRAMS_PER_SM programs per SM, as long as the fp32 partials (written, then read) move no
+    more bytes than the packed weight; a count that leaves no range empty."""
+    column_programs = (triton.cdiv(n, GEMV_BLOCK_N) if m <= GEMV_MAX_M
+                       else triton.cdiv(m, SPLIT_BLOCK_M) * triton.cdiv(n, SPLIT_BLOCK_N))
+    want = min(triton.cdiv(PROGRAMS_PER_SM * sms, column_programs), weight_bytes // (8 * m * n), num_groups)
+    groups_per_split = triton.cdiv(num_groups, max(1, want))
     return triton.cdiv(num_groups, groups_per_split)
 
 
-GEMV_BLOCK_N = 64
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def dequant_matmul_launches(
@@ -293,17 +337,16 @@ def dequant_matmul_launches(
     min_absmax: torch.Tensor | None,
     perm: torch.Tensor,
     group_size: int,
-    bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     *,
     sms: int,
     every_config: bool = False,
 ) -> list[Launch]:
-    """The launch `dequant_matmul_triton` runs for x [M, K], writing `out`: the fp32 split-K
-    partials [splits, M, N] at M <= GEMV_MAX_M, y [M, N] above (allocated here when None, as the
-    ahead-of-time check does on meta tensors). Above GEMV_MAX_M the autotuner picks a tile;
-    `every_config` lists one launch per tile it may time instead (before dropping the tiles
-    that do not fit the device)."""
+    """The launch `dequant_matmul_triton` runs for x [M, K], writing `out` (allocated here when
+    None, as the ahead-of-time check does on meta tensors): the fp32 split-K partials
+    [splits, M, N] at M <= TILED_MAX_M, else the dequantized weight [K, N] in x's dtype. Between
+    GEMV_MAX_M and TILED_MAX_M the autotuner picks a tile; `every_config` lists one launch per
+    tile it may time instead (before dropping the tiles that do not fit the device)."""
     m, k = x.shape
     n = qweight.shape[1]
     num_groups = qgroups.shape[0]
@@ -311,35 +354,38 @@ def dequant_matmul_launches(
     mins_arg = mins if mins is not None else scales
     min_absmax_arg = min_absmax if mins is not None else scale_max
     has_mins = dict(GROUP_SIZE=group_size, HAS_MINS=mins is not None)
+    groups = (qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg)
+    if m > TILED_MAX_M:
+        w = out if out is not None else torch.empty(k, n, dtype=x.dtype, device=x.device)
+        block_n = DEQUANT_BLOCK_N if not interpreted else 32
+        return [Launch(_dequantize_kernel, (num_groups, triton.cdiv(n, block_n)),
+                       (*groups, w, n, qweight.stride(0), scales.stride(0), w.stride(0)),
+                       dict(**has_mins, BLOCK_N=block_n))]
+    part = out if out is not None else torch.empty(partial_splits(m, n, num_groups, _nbytes(qweight), sms), m, n,
+                                                   dtype=torch.float32, device=x.device)
+    splits = part.shape[0]
+    groups_per_split = triton.cdiv(num_groups, splits)
+    strides = (x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1))
     if m <= GEMV_MAX_M:
-        part = out if out is not None else torch.empty(gemv_split_k(n, num_groups, sms), m, n, dtype=torch.float32,
-                                                       device=x.device)
-        split_k = part.shape[0]
         block_n = GEMV_BLOCK_N if not interpreted else 32
         return [Launch(
-            _dq_gemv_kernel, (triton.cdiv(n, block_n), split_k),
-            (x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm, part,
-             m, n, num_groups, triton.cdiv(num_groups, split_k),
-             x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1)),
+            _dq_gemv_kernel, (triton.cdiv(n, block_n), splits),
+            (x, *groups, perm, part, m, n, num_groups, groups_per_split, *strides),
             dict(**has_mins, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n),
         )]
-    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    args = (x, qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg, perm,
-            bias if bias is not None else scale_max, y,
-            m, n, num_groups, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-            min(triton.next_power_of_2(m), 4096))
-    constexprs = dict(**has_mins, HAS_BIAS=bias is not None)
+    args = (x, *groups, perm, part, m, n, num_groups, groups_per_split, *strides, min(triton.next_power_of_2(m), 4096))
     if interpreted:
-        return [Launch(_dq_mm_kernel, (triton.cdiv(m, 16), triton.cdiv(n, 32)), args,
-                       dict(**constexprs, DOT_F32=True, BLOCK_M=16, BLOCK_N=32))]
-    constexprs["DOT_F32"] = x.dtype == torch.float32
+        return [Launch(_dq_mm_kernel, (triton.cdiv(m, 16), triton.cdiv(n, 32), splits), args,
+                       dict(**has_mins, DOT_F32=True, BLOCK_M=16, BLOCK_N=32))]
+    constexprs = dict(**has_mins, DOT_F32=x.dtype == torch.float32)
     if every_config:
-        return [Launch(_dq_mm_kernel, (triton.cdiv(m, c.kwargs["BLOCK_M"]), triton.cdiv(n, c.kwargs["BLOCK_N"])),
+        return [Launch(_dq_mm_kernel,
+                       (triton.cdiv(m, c.kwargs["BLOCK_M"]), triton.cdiv(n, c.kwargs["BLOCK_N"]), splits),
                        args, {**constexprs, **c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages))
                 for c in configs_for_rows(_dq_mm_tuned.configs, m)]
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+        return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), splits)
     return [Launch(_dq_mm_tuned, grid, args, constexprs)]
 
 
@@ -367,15 +413,17 @@ def dequant_matmul_triton(
     qweight, qgroups, scales, scale_max, perm = (t.contiguous() for t in (qweight, qgroups, scales, scale_max, perm))
     mins, min_absmax = (None if t is None else t.contiguous() for t in (mins, min_absmax))
     sms = sm_count(x.device)
-    if m > GEMV_MAX_M:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m > TILED_MAX_M:
+        out = torch.empty(k, n, dtype=x.dtype, device=x.device)
     else:
-        out = torch.empty(gemv_split_k(n, qgroups.shape[0], sms), m, n, dtype=torch.float32, device=x.device)
+        out = torch.empty(partial_splits(m, n, qgroups.shape[0], _nbytes(qweight), sms), m, n, dtype=torch.float32,
+                          device=x.device)
     for launch in dequant_matmul_launches(x, qweight, qgroups, scales, scale_max, mins, min_absmax, perm, group_size,
-                                          bias, out, sms=sms):
+                                          out, sms=sms):
         launch.run()
-    if m > GEMV_MAX_M:
-        return out
+    if m > TILED_MAX_M:  # out is the weight [K, N], whose rows multiply the inputs in perm's order
+        x_packed_order = x[:, perm.long()]
+        return x_packed_order @ out if bias is None else torch.addmm(bias.to(x.dtype), x_packed_order, out)
     y = out[0] if out.shape[0] == 1 else out.sum(0)
     if bias is not None:
         y = y + bias.float()

@@ -23,6 +23,7 @@ Adding a row: write a function `bench_xxx(ctx) -> list[Row]` and list it in BENC
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import time
@@ -223,36 +224,69 @@ def bench_rotary(ctx: Ctx) -> list[Row]:
 
 
 def bench_dequant_matmul(ctx: Ctx) -> list[Row]:
-    from qrun.format import MatrixLayout, pack_matrix
+    """A mixed ~4.3-bit 4096 x 4096 matrix from one row to a prefill's 2048, and SmolLM2's MLP
+    (576 -> 1536) at a decode step's 1, 16 and 64 rows; each row's note times the path the launcher
+    did not take (the evidence for its thresholds)."""
+    import qrun.kernels.dequant_matmul as dm
     from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 
     rows = []
-    k, n, gs = 4096, 4096, 64
-    bits = [8] * 4 + [6] * 8 + [4] * 40 + [3] * 12  # a mixed ~4.3-bit matrix
+    for k, n, row_counts in ((4096, 4096, (1, 4, 16, 64, 256, 2048)), (576, 1536, (1, 16, 64))):
+        packed, gs = mixed_bit_matrix(k, n, ctx.device)
+        packed_bytes = sum(t.numel() * t.element_size() for t in packed if t is not None)
+        dense = torch.randn(n, k, dtype=torch.bfloat16, device=ctx.device)
+        for m in row_counts:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=ctx.device)
+            args = (x, *packed, gs)
+            err = rel_err(dequant_matmul_triton(*args), dequant_matmul_ref(*args))
+            check("dequant_matmul", err, 2e-2)
+            ms = bench(lambda: dequant_matmul_triton(*args))
+            dense_ms = bench(lambda: torch.nn.functional.linear(x, dense))
+            if m <= dm.GEMV_MAX_M:
+                other, setting = "at 2 programs/SM", {"PROGRAMS_PER_SM": 2}
+            elif m <= dm.TILED_MAX_M:
+                other, setting = "dequantize + matmul", {"TILED_MAX_M": dm.GEMV_MAX_M}
+            else:
+                other, setting = "tiled split-K", {"TILED_MAX_M": m}
+            with module_settings(dm, **setting):
+                other_ms = bench(lambda: dequant_matmul_triton(*args)) if m <= 256 else None
+            moved = packed_bytes + 2 * m * (k + n)
+            rows.append(Row("dequant_matmul", f"M{m} K{k} N{n} ~{8 * packed_bytes / (k * n):.2f}bpw", ms,
+                            bytes=moved, flops=2 * m * n * k, baseline_name="bf16 dense", baseline_ms=dense_ms,
+                            max_err=err, note=f"{other}: {other_ms * 1e3:.1f} us" if other_ms is not None else ""))
+    return rows
+
+
+def mixed_bit_matrix(k: int, n: int, device: torch.device) -> tuple[tuple, int]:
+    """Random packed weights of k inputs x n outputs in groups of 64, 1/16 of them 8-bit, 1/8
+    6-bit, 3/16 3-bit, the rest 4-bit, asymmetric, act-order permuted: the dequant_matmul
+    arguments (qweight, qgroups, scales, scale_max, mins, min_absmax, perm) and the group size."""
+    from qrun.format import MatrixLayout, pack_matrix
+
+    gs = 64
+    groups = k // gs
+    bits = [8] * (groups // 16) + [6] * (groups // 8) + [3] * (3 * groups // 16)
+    bits += [4] * (groups - len(bits))
     layout = MatrixLayout(k, n, gs, tuple(bits), True)
     q = torch.cat([torch.randint(0, 1 << b, (gs, n)) for b in bits])
-    qweight = pack_matrix(q, layout).to(ctx.device)
-    qgroups = layout.qgroups().to(ctx.device)
-    scales = torch.randint(1, 256, (len(bits), n), dtype=torch.uint8, device=ctx.device)
-    scale_max = (torch.rand(n) * 0.02 + 0.01).half().to(ctx.device)
-    mins = torch.randint(-127, 128, (len(bits), n), dtype=torch.int8, device=ctx.device)
-    min_absmax = (torch.rand(n) * 0.1).half().to(ctx.device)
-    perm = torch.randperm(k).to(layout.perm_dtype).to(ctx.device)
-    group_tensors = (qweight, qgroups, scales, scale_max, mins, min_absmax)
-    packed_bytes = sum(t.numel() * t.element_size() for t in (*group_tensors, perm))
-    dense = torch.randn(n, k, dtype=torch.bfloat16, device=ctx.device)
-    for m in (1, 4, 16, 2048):
-        x = torch.randn(m, k, dtype=torch.bfloat16, device=ctx.device)
-        args = (x, *group_tensors, perm, gs)
-        err = rel_err(dequant_matmul_triton(*args), dequant_matmul_ref(*args))
-        check("dequant_matmul", err, 2e-2)
-        ms = bench(lambda: dequant_matmul_triton(*args))
-        dense_ms = bench(lambda: torch.nn.functional.linear(x, dense))
-        moved = packed_bytes + 2 * m * (k + n)
-        rows.append(Row("dequant_matmul", f"M{m} K{k} N{n} ~{8 * packed_bytes / (k * n):.2f}bpw", ms,
-                        bytes=moved, flops=2 * m * n * k, baseline_name="bf16 dense", baseline_ms=dense_ms,
-                        max_err=err))
-    return rows
+    return (pack_matrix(q, layout).to(device), layout.qgroups().to(device),
+            torch.randint(1, 256, (len(bits), n), dtype=torch.uint8, device=device),
+            (torch.rand(n) * 0.02 + 0.01).half().to(device),
+            torch.randint(-127, 128, (len(bits), n), dtype=torch.int8, device=device),
+            (torch.rand(n) * 0.1).half().to(device), torch.randperm(k).to(layout.perm_dtype).to(device)), gs
+
+
+@contextlib.contextmanager
+def module_settings(module, **values):
+    """`module`'s attributes set to `values` inside the block, restored after it."""
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
 
 
 def smollm2_shaped_checkpoint(folder: Path) -> Path:

@@ -23,8 +23,8 @@ from qrun.kernels.aot import TARGETS
 from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"_paged_attn_kernel", "_merge_splits_kernel", "_dq_gemv_kernel", "_dq_mm_kernel", "_rms_norm_kernel",
-           "_rotary_kernel", "_store_kv_kernel"}
+KERNELS = {"_paged_attn_kernel", "_merge_splits_kernel", "_dq_gemv_kernel", "_dq_mm_kernel", "_dequantize_kernel",
+           "_rms_norm_kernel", "_rotary_kernel", "_store_kv_kernel"}
 
 
 @pytest.fixture(scope="module")

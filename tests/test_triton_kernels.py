@@ -420,11 +420,11 @@ def test_rotary_reference_follows_each_steps_positions():
 
 # ----------------------------------------------------------------------------- dequant_matmul
 # Every supported width in one matrix (3, 5, 6 straddle word boundaries), act-order perm, odd N
-# (masked columns), group sizes 32 and 64. M = 1 and 3 take the GEMV path (split-K over groups
-# on top: the interpreter pretends 8 SMs, so few column blocks get split), M = 37 the tl.dot
-# path. Tolerance: the reference dequantizes and multiplies in fp32; the GEMV path does too,
-# the tl.dot path feeds fp16/bf16 weights to the dot (fp32 under the interpreter, see above),
-# so bf16 gets the ~2-ulp bound like everything else.
+# (masked columns), group sizes 32 and 64. M = 1 and 3 take the GEMV path, M = 37 the tl.dot
+# path (both split-K over groups: the interpreter pretends 8 SMs), M = 70 the dequantized weight
+# and torch's matmul. Tolerance: the reference dequantizes and multiplies in fp32; the GEMV path
+# does too, the tl.dot path feeds fp16/bf16 weights to the dot (fp32 under the interpreter, see
+# above) and the last path multiplies them, so bf16 gets the ~2-ulp bound like everything else.
 
 
 def _packed_matrix(k, n, group_size, bits, asym, seed):
@@ -441,7 +441,7 @@ def _packed_matrix(k, n, group_size, bits, asym, seed):
     return pack_matrix(q, layout), layout.qgroups(), scales, scale_max, mins, min_absmax, perm
 
 
-@pytest.mark.parametrize("m", [1, 3, 37])
+@pytest.mark.parametrize("m", [1, 3, 37, 70])
 @pytest.mark.parametrize("dtype, asym, group_size", [
     (torch.float32, False, 32), (torch.float16, True, 32), (torch.bfloat16, False, 64), (torch.bfloat16, True, 32),
 ])
@@ -465,7 +465,7 @@ def test_tile_pruning_checks_fit_with_the_kernels_own_arguments(monkeypatch):
     check that it fits must pass only the kernel's parameters (a GPU run once failed on 'grid')."""
     checked = []
     monkeypatch.setattr(dm, "fits_device", lambda launch, device: checked.append(launch) or True)
-    constexprs = dict(GROUP_SIZE=32, HAS_MINS=False, HAS_BIAS=False, DOT_F32=False)
+    constexprs = dict(GROUP_SIZE=32, HAS_MINS=False, DOT_F32=False)
     on_gpu = type("Arg", (), {"device": torch.device("cuda")})()
     named_args = {name: on_gpu for name in dm._dq_mm_kernel.arg_names
                   if name not in constexprs and name not in ("BLOCK_M", "BLOCK_N")}
