@@ -420,9 +420,10 @@ def test_rotary_reference_follows_each_steps_positions():
 
 # ----------------------------------------------------------------------------- dequant_matmul
 # Every supported width in one matrix (3, 5, 6 straddle word boundaries), act-order perm, odd N
-# (masked columns), group sizes 32 and 64. M = 1 and 3 take the GEMV path, M = 37 the tl.dot
-# path (both split-K over groups: the interpreter pretends 8 SMs), M = 70 the dequantized weight
-# and torch's matmul. Tolerance: the reference dequantizes and multiplies in fp32; the GEMV path
+# (masked columns), group sizes 32 and 64. M = 1 and 3 take the GEMV path (split-K over groups:
+# the interpreter pretends 8 SMs), M = 37 the tl.dot path (one split here: the partials would
+# outweigh so small a weight; forced below), M = 70 the dequantized weight and torch's matmul.
+# Tolerance: the reference dequantizes and multiplies in fp32; the GEMV path
 # does too, the tl.dot path feeds fp16/bf16 weights to the dot (fp32 under the interpreter, see
 # above) and the last path multiplies them, so bf16 gets the ~2-ulp bound like everything else.
 
@@ -446,6 +447,27 @@ def _packed_matrix(k, n, group_size, bits, asym, seed):
     (torch.float32, False, 32), (torch.float16, True, 32), (torch.bfloat16, False, 64), (torch.bfloat16, True, 32),
 ])
 def test_dequant_matmul(m, dtype, asym, group_size):
+    _check_dequant_matmul(m, dtype, asym, group_size)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 6])
+@pytest.mark.parametrize("m", [3, 37])
+def test_dequant_matmul_split_k_forced(monkeypatch, splits, m):
+    # Both kernels over every split count of six groups, one group a range included.
+    monkeypatch.setattr(dm, "partial_splits", lambda *heuristic_inputs: splits)
+    _check_dequant_matmul(m, torch.float32, True, 32)
+
+
+def test_dequant_matmul_split_k_heuristic():
+    sms = 132  # an H200
+    weight = 4096 * 4096 // 2  # 4-bit codes
+    assert dm.partial_splits(1, 4096, 128, weight, sms) >= 16  # a decode GEMV fills the GPU
+    assert dm.partial_splits(16, 4096, 128, weight, sms) > 1
+    assert dm.partial_splits(64, 1536, 18, 576 * 1536 // 2, sms) == 1  # partials would outweigh the weight
+    assert dm.partial_splits(1, 64, 4, 64 * 128 // 2, sms) <= 4  # never more ranges than groups
+
+
+def _check_dequant_matmul(m, dtype, asym, group_size):
     bits = [8, 6, 5, 4, 3, 2] if group_size == 32 else [8, 5, 3]
     k, n = group_size * len(bits), 70
     packed = _packed_matrix(k, n, group_size, bits, asym, seed=m + group_size)
