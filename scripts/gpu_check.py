@@ -3,6 +3,7 @@
 
     python scripts/gpu_check.py            # everything, < 8 minutes on one GPU
     python scripts/gpu_check.py --no-tests # skip the pytest pass, only the benchmark table
+    python scripts/gpu_check.py --no-tests --only dequant_matmul,engine_decode  # some rows
 
 1. Runs tests/test_triton_kernels.py on the GPU (that module compiles the kernels when CUDA is
    present), so every reference comparison there is repeated with real codegen.
@@ -428,7 +429,13 @@ def print_table(ctx: Ctx, rows: list[Row]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-tests", action="store_true", help="skip the pytest correctness pass")
+    names = [fn.__name__.removeprefix("bench_") for fn in BENCHES]
+    parser.add_argument("--only", type=lambda value: value.split(","), default=names,
+                        help=f"comma-separated rows to time (default: all of {','.join(names)})")
     args = parser.parse_args()
+    unknown = sorted(set(args.only) - set(names))
+    if unknown:
+        parser.error(f"--only: no rows named {', '.join(unknown)}; choose from {', '.join(names)}")
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); nothing to check. "
               "Run it on a GPU machine; on CPU use `TRITON_INTERPRET=1 pytest tests/test_triton_kernels.py`.",
@@ -447,6 +454,8 @@ def main() -> int:
     ctx = measure_floors(device)
     rows: list[Row] = []
     for fn in BENCHES:
+        if fn.__name__.removeprefix("bench_") not in args.only:
+            continue
         try:
             rows.extend(fn(ctx))
         except Exception as exc:  # one broken row must not hide the others
