@@ -38,8 +38,8 @@ constexpr int64_t MAX_ROWS = 4;
 // flight over several sequential streams than over one, and how many it reads fastest differs by CPU (4 vs 1: 23.5 vs
 // 19.4 GB/s reading SmolLM2's float16 weights matrix by matrix on two Xeon cores; 2 beat 4 on a 2-core EPYC), so the
 // count is a parameter (kernels/read_streams.py measures it at load).
-// Weights ahead of each stream fetched into L1 (2 KiB) and into L2 (8 KiB): the L2 fetch read SmolLM2's shapes 0-10%
-// faster on a 2-core EPYC (Zen 4), whose own prefetchers run less far ahead.
+// Weights ahead of each stream fetched into L1 (2 KiB) and into L2 (8 KiB), as the 4-bit matmul's (its reason in
+// cpu_quant_matmul.cpp).
 constexpr int64_t PREFETCH = 1024, PREFETCH_L2 = 4096;
 
 inline float dot_tail(const uint16_t* w, const float* x, int64_t from, int64_t k) {

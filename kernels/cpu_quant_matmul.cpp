@@ -40,9 +40,8 @@ constexpr int64_t ROW_TILE = two_digits ? 4 : 6;
 // 576 x 1536 ~20% faster than all rows per tile).
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 16;
 // Bytes of codes ahead of the stream fetched into L1 (~10% faster from DRAM on a Xeon) and, further, into L2: at one
-// or two rows the product runs ahead of what a 2-core EPYC's (Zen 4) own prefetchers bring. The L2 fetch made its
-// single-row products from DRAM 10-16% faster (SmolLM2's shapes; level at 64 rows) and a 4.0-bpw SmolLM2's
-// single-stream steps 5-25% faster while the VM read ~34 GB/s (level while it read ~60).
+// or two rows the product runs ahead of what a 2-core EPYC's (Zen 4) own prefetchers bring while its memory is slow
+// (one-off probes in issue 15's notes; the serving benchmark's single stream did not move).
 constexpr int64_t PREFETCH = 1024, PREFETCH_L2 = 8192;
 
 inline void prefetch_ahead(const uint8_t* stream) {

@@ -323,10 +323,6 @@ def partial_splits(m: int, n: int, num_groups: int, weight_bytes: int, sms: int)
     return triton.cdiv(num_groups, groups_per_split)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def dequant_matmul_launches(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -361,7 +357,7 @@ def dequant_matmul_launches(
         return [Launch(_dequantize_kernel, (num_groups, triton.cdiv(n, block_n)),
                        (*groups, w, n, qweight.stride(0), scales.stride(0), w.stride(0)),
                        dict(**has_mins, BLOCK_N=block_n))]
-    part = out if out is not None else torch.empty(partial_splits(m, n, num_groups, _nbytes(qweight), sms), m, n,
+    part = out if out is not None else torch.empty(partial_splits(m, n, num_groups, qweight.nbytes, sms), m, n,
                                                    dtype=torch.float32, device=x.device)
     splits = part.shape[0]
     groups_per_split = triton.cdiv(num_groups, splits)
@@ -416,7 +412,7 @@ def dequant_matmul_triton(
     if m > TILED_MAX_M:
         out = torch.empty(k, n, dtype=x.dtype, device=x.device)
     else:
-        out = torch.empty(partial_splits(m, n, qgroups.shape[0], _nbytes(qweight), sms), m, n, dtype=torch.float32,
+        out = torch.empty(partial_splits(m, n, qgroups.shape[0], qweight.nbytes, sms), m, n, dtype=torch.float32,
                           device=x.device)
     for launch in dequant_matmul_launches(x, qweight, qgroups, scales, scale_max, mins, min_absmax, perm, group_size,
                                           out, sms=sms):

@@ -41,7 +41,7 @@ def step(cache: str, queries: int, keys: int, heads: int, kv_heads: int, dim: in
 
 def kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, out,
            k_scales, v_scales) -> torch.Tensor:
-    """The C++ kernel on every row, prefill chunks included (whatever the CPU's AMX rule picks)."""
+    """The C++ kernel on every row, prefill chunks included (also where the AMX rule sends them to SDPA)."""
     return torch.ops.qrun.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                           k_scales, v_scales, True)
 
