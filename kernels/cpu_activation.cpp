@@ -27,8 +27,7 @@ template <int kind>
 void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, int64_t rows, int64_t width,
                        int threads) {
     const int64_t bytes = kind == QRUN_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= (1 << 16))
-    for (int64_t r = 0; r < rows; r++) {
+    qrun_parallel_for(rows, threads, rows * width >= (1 << 16), [&](int64_t r) {
         const char* gate_row = static_cast<const char*>(gate) + r * ld * bytes;
         const char* up_row = static_cast<const char*>(up) + r * ld * bytes;
         char* out_row = static_cast<char*>(out) + r * width * bytes;
@@ -43,7 +42,7 @@ void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, 
             const float activated = qrun_round_value<kind>(silu(qrun_load_value<kind>(gate_row, i)));
             qrun_store_value<kind>(out_row, i, activated * qrun_load_value<kind>(up_row, i));
         }
-    }
+    });
 }
 
 }  // namespace

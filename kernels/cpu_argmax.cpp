@@ -48,6 +48,6 @@ int64_t first_max_of_row(const float* row, int64_t width) {
 // out[r] = the first index of row r's largest value (its first NaN, if any) for rows [rows, width] float32, rows `ld`
 // floats apart; width < 2^31.
 extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t width, int64_t* out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= (1 << 18))
-    for (int64_t r = 0; r < rows; r++) out[r] = first_max_of_row(x + r * ld, width);
+    qrun_parallel_for(rows, threads, rows * width >= (1 << 18),
+                      [&](int64_t r) { out[r] = first_max_of_row(x + r * ld, width); });
 }

@@ -395,9 +395,9 @@ void decode_attention(const Step& step) {
         float* at = partials.data() + chunk * per_chunk;
         return Partial{at, at + heads, at + 2 * heads};
     };
-    // one chunk (a short context at batch 1): no second thread to wake and wait for
-#pragma omp parallel num_threads(int(std::clamp<int64_t>(chunks, 1, step.threads)))
-    {
+    // run by each of a region's threads, whose `omp for`s share out the loops; or by the caller alone (one chunk: a
+    // short context at batch 1), with no region to enter (qrun_parallel_for says why)
+    const auto attend_and_merge = [&] {
         thread_local std::vector<float> queries, scores;
         queries.resize(heads * dim);
         scores.resize(heads * (CHUNK + LANES));
@@ -430,6 +430,12 @@ void decode_attention(const Step& step) {
             float* row_out = step.out + (step.query_start_loc[seq] * heads + head) * dim;
             for (int64_t d = 0; d < dim; d++) row_out[d] = out[d] / sum;
         }
+    };
+    if (chunks > 1 && step.threads > 1) {
+#pragma omp parallel num_threads(int(std::min<int64_t>(chunks, step.threads)))
+        attend_and_merge();
+    } else {
+        attend_and_merge();
     }
 }
 

@@ -14,8 +14,7 @@ template <int KIND>
 void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out, void* sum, int64_t rows,
                    int64_t hidden, float eps, int threads) {
     const int64_t width = KIND == QRUN_F32 ? 4 : 2;  // bytes per element
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * hidden >= (1 << 16))
-    for (int64_t r = 0; r < rows; r++) {
+    qrun_parallel_for(rows, threads, rows * hidden >= (1 << 16), [&](int64_t r) {
         const char* x_row = static_cast<const char*>(x) + r * hidden * width;
         const char* res_row = residual ? static_cast<const char*>(residual) + r * hidden * width : nullptr;
         char* sum_row = sum ? static_cast<char*>(sum) + r * hidden * width : nullptr;
@@ -54,7 +53,7 @@ void rms_norm_rows(const void* x, const void* residual, const void* weight, void
         for (; i < hidden; i++)
             qrun_store_value<KIND>(out_row, i,
                                    qrun_load_value<KIND>(values, i) * inverse * qrun_load_value<KIND>(weight, i));
-    }
+    });
 }
 
 }  // namespace

@@ -81,8 +81,7 @@ const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64
     q.block_scales.resize(blocks);
     q.group_sums.resize(groups);
     q.rounded_sums.assign(groups, 0.f);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= (1 << 14))
-    for (int64_t m = 0; m < rows; m++) {
+    qrun_parallel_for(rows, threads, rows * k >= (1 << 14), [&](int64_t m) {
         const In* row = x + m * ldx;
         for (int64_t b = 0; b < k / BLOCK_K; b++) {
             const __m512 lo = load16(row + b * BLOCK_K), hi = load16(row + b * BLOCK_K + 16);
@@ -114,7 +113,7 @@ const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64
             for (int64_t i = g * group; i < (g + 1) * group; i += 16) sum = _mm512_add_ps(sum, load16(row + i));
             q.group_sums[m * (k / group) + g] = _mm512_reduce_add_ps(sum);
         }
-    }
+    });
     return q;
 }
 

@@ -12,8 +12,7 @@ template <int kind>
 void rotary_rows(const void* x, int64_t ld, void* out, const int64_t* positions, const float* cos_sin,
                  int64_t tokens, int64_t heads, int64_t dim, int threads) {
     const int64_t width = kind == QRUN_F32 ? 4 : 2, half = dim / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim >= (1 << 15))
-    for (int64_t t = 0; t < tokens; t++) {
+    qrun_parallel_for(tokens, threads, tokens * heads * dim >= (1 << 15), [&](int64_t t) {
         const float* cos = cos_sin + positions[t] * dim;
         const float* sin = cos + half;
         for (int64_t h = 0; h < heads; h++) {
@@ -27,7 +26,7 @@ void rotary_rows(const void* x, int64_t ld, void* out, const int64_t* positions,
                 qrun_store_value<kind>(rotated, d + half, second);
             }
         }
-    }
+    });
 }
 
 }  // namespace

@@ -155,15 +155,14 @@ template <int kind>
 void reflect_rows(const void* x, void* out, const float* u, int64_t rows, int64_t heads, int64_t kv_heads,
                   int64_t dim, int threads) {
     const int64_t items = rows * heads, group = heads / kv_heads;
-#pragma omp parallel for schedule(static) num_threads(items * dim >= (1 << 16) ? threads : 1)
-    for (int64_t item = 0; item < items; item++) {
+    qrun_parallel_for(items, threads, items * dim >= (1 << 16), [&](int64_t item) {
         const float* normal = u + item % heads / group * dim;
         const int64_t at = item * dim;
         float dot = 0.f;
         for (int64_t d = 0; d < dim; d++) dot += qrun_load_value<kind>(x, at + d) * normal[d];
         for (int64_t d = 0; d < dim; d++)
             qrun_store_value<kind>(out, at + d, qrun_load_value<kind>(x, at + d) - 2.f * dot * normal[d]);
-    }
+    });
 }
 
 }  // namespace
