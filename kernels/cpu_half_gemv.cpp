@@ -83,8 +83,7 @@ void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y,
     const auto finish = [&](int64_t channel, float sum, int64_t r) {
         store(y, kind, r * ldy + channel, sum + (bias ? half_to_float(bias[channel]) : 0.f));
     };
-#pragma omp parallel num_threads(threads)
-    {
+    qrun_parallel(threads, [&] {
         const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
         const int64_t first = n * part / parts, last = n * (part + 1) / parts, share = (last - first) / STREAMS;
         float sums[STREAMS * ROWS];
@@ -97,7 +96,7 @@ void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y,
         }
         for (int64_t channel = first + STREAMS * share; channel < last; channel++)  // the last few
             for (int64_t r = 0; r < ROWS; r++) finish(channel, dot_tail(w + channel * k, x + r * k, 0, k), r);
-    }
+    });
 }
 
 template <int64_t ROWS>

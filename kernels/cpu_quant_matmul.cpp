@@ -270,8 +270,7 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
 template <int R, bool two_digits, int STREAMS>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
     const int64_t tiles = weights.n / TILE_N;
-#pragma omp parallel num_threads(threads)
-    {
+    qrun_parallel(threads, [&] {
         const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
         const int64_t first = tiles * part / parts, last = tiles * (part + 1) / parts;
         const int64_t quarter = (last - first) / STREAMS;
@@ -282,7 +281,7 @@ void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out,
         }
         for (int64_t tile = first + STREAMS * quarter; tile < last; tile++)
             tile_rows<R, 1, two_digits>(weights, x, 0, out, &tile);
-    }
+    });
 }
 
 template <int R, bool two_digits>
