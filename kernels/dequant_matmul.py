@@ -323,6 +323,17 @@ def partial_splits(m: int, n: int, num_groups: int, weight_bytes: int, sms: int)
     return triton.cdiv(num_groups, groups_per_split)
 
 
+def launch_output(x: torch.Tensor, qweight: torch.Tensor, qgroups: torch.Tensor, sms: int) -> torch.Tensor:
+    """What `dequant_matmul_launches` writes for x [M, K]: the fp32 split-K partials
+    [splits, M, N] at M <= TILED_MAX_M, else the dequantized weight [K, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if m > TILED_MAX_M:
+        return torch.empty(k, n, dtype=x.dtype, device=x.device)
+    return torch.empty(partial_splits(m, n, qgroups.shape[0], qweight.nbytes, sms), m, n, dtype=torch.float32,
+                       device=x.device)
+
+
 def dequant_matmul_launches(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -338,12 +349,11 @@ def dequant_matmul_launches(
     sms: int,
     every_config: bool = False,
 ) -> list[Launch]:
-    """The launch `dequant_matmul_triton` runs for x [M, K], writing `out` (allocated here when
-    None, as the ahead-of-time check does on meta tensors): the fp32 split-K partials
-    [splits, M, N] at M <= TILED_MAX_M, else the dequantized weight [K, N] in x's dtype. Between
+    """The launch `dequant_matmul_triton` runs for x [M, K], writing `out` (`launch_output`'s;
+    made here when None, as the ahead-of-time check does on meta tensors). Between
     GEMV_MAX_M and TILED_MAX_M the autotuner picks a tile; `every_config` lists one launch per
     tile it may time instead (before dropping the tiles that do not fit the device)."""
-    m, k = x.shape
+    m = x.shape[0]
     n = qweight.shape[1]
     num_groups = qgroups.shape[0]
     interpreted = is_interpreted(_dq_mm_kernel)
@@ -351,25 +361,23 @@ def dequant_matmul_launches(
     min_absmax_arg = min_absmax if mins is not None else scale_max
     has_mins = dict(GROUP_SIZE=group_size, HAS_MINS=mins is not None)
     groups = (qweight, qgroups, scales, scale_max, mins_arg, min_absmax_arg)
+    out = out if out is not None else launch_output(x, qweight, qgroups, sms)
     if m > TILED_MAX_M:
-        w = out if out is not None else torch.empty(k, n, dtype=x.dtype, device=x.device)
         block_n = DEQUANT_BLOCK_N if not interpreted else 32
         return [Launch(_dequantize_kernel, (num_groups, triton.cdiv(n, block_n)),
-                       (*groups, w, n, qweight.stride(0), scales.stride(0), w.stride(0)),
+                       (*groups, out, n, qweight.stride(0), scales.stride(0), out.stride(0)),
                        dict(**has_mins, BLOCK_N=block_n))]
-    part = out if out is not None else torch.empty(partial_splits(m, n, num_groups, qweight.nbytes, sms), m, n,
-                                                   dtype=torch.float32, device=x.device)
-    splits = part.shape[0]
+    splits = out.shape[0]
     groups_per_split = triton.cdiv(num_groups, splits)
-    strides = (x.stride(0), qweight.stride(0), scales.stride(0), part.stride(0), part.stride(1))
+    strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1))
     if m <= GEMV_MAX_M:
         block_n = GEMV_BLOCK_N if not interpreted else 32
         return [Launch(
             _dq_gemv_kernel, (triton.cdiv(n, block_n), splits),
-            (x, *groups, perm, part, m, n, num_groups, groups_per_split, *strides),
+            (x, *groups, perm, out, m, n, num_groups, groups_per_split, *strides),
             dict(**has_mins, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n),
         )]
-    args = (x, *groups, perm, part, m, n, num_groups, groups_per_split, *strides, min(triton.next_power_of_2(m), 4096))
+    args = (x, *groups, perm, out, m, n, num_groups, groups_per_split, *strides, min(triton.next_power_of_2(m), 4096))
     if interpreted:
         return [Launch(_dq_mm_kernel, (triton.cdiv(m, 16), triton.cdiv(n, 32), splits), args,
                        dict(**has_mins, DOT_F32=True, BLOCK_M=16, BLOCK_N=32))]
@@ -409,11 +417,7 @@ def dequant_matmul_triton(
     qweight, qgroups, scales, scale_max, perm = (t.contiguous() for t in (qweight, qgroups, scales, scale_max, perm))
     mins, min_absmax = (None if t is None else t.contiguous() for t in (mins, min_absmax))
     sms = sm_count(x.device)
-    if m > TILED_MAX_M:
-        out = torch.empty(k, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(partial_splits(m, n, qgroups.shape[0], qweight.nbytes, sms), m, n, dtype=torch.float32,
-                          device=x.device)
+    out = launch_output(x, qweight, qgroups, sms)
     for launch in dequant_matmul_launches(x, qweight, qgroups, scales, scale_max, mins, min_absmax, perm, group_size,
                                           out, sms=sms):
         launch.run()

@@ -234,7 +234,7 @@ def bench_dequant_matmul(ctx: Ctx) -> list[Row]:
     rows = []
     for k, n, row_counts in ((4096, 4096, (1, 4, 16, 64, 256, 2048)), (576, 1536, (1, 16, 64))):
         packed, gs = mixed_bit_matrix(k, n, ctx.device)
-        packed_bytes = sum(t.numel() * t.element_size() for t in packed if t is not None)
+        packed_bytes = sum(t.nbytes for t in packed if t is not None)
         dense = torch.randn(n, k, dtype=torch.bfloat16, device=ctx.device)
         for m in row_counts:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=ctx.device)

@@ -467,6 +467,22 @@ def test_dequant_matmul_split_k_heuristic():
     assert dm.partial_splits(1, 64, 4, 64 * 128 // 2, sms) <= 4  # never more ranges than groups
 
 
+@pytest.mark.parametrize("asym", [False, True])
+def test_dequantize_kernel_writes_the_reference_weight(asym):
+    # The path above TILED_MAX_M rows: the kernel's weight [K, N] is dequantize_ref's, value for value.
+    bits = [8, 6, 5, 4, 3, 2]
+    packed = _packed_matrix(32 * len(bits), 70, 32, bits, asym, seed=7)
+    x = torch.zeros(dm.TILED_MAX_M + 1, 32 * len(bits), device=DEVICE)
+    on = [t.to(DEVICE) if t is not None else None for t in packed]
+    sms = dm.sm_count(x.device)
+    weight = dm.launch_output(x, on[0], on[1], sms)
+    assert weight.shape == (x.shape[1], 70)
+    [launch] = dm.dequant_matmul_launches(x, *on, 32, weight, sms=sms)
+    assert launch.kernel is dm._dequantize_kernel
+    launch.run()
+    _close(weight.cpu(), dm.dequantize_ref(*packed[:-1], 32), TOL[torch.float32])
+
+
 def _check_dequant_matmul(m, dtype, asym, group_size):
     bits = [8, 6, 5, 4, 3, 2] if group_size == 32 else [8, 5, 3]
     k, n = group_size * len(bits), 70
