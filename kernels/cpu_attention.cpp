@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -377,8 +378,8 @@ template <int kind, int64_t dim>
 void decode_attention(const Step& step) {
     const int64_t heads = step.num_q_heads;
     // work items: (decode row's sequence, chunk of its tokens); chunk_start[i]: sequence i's first chunk. Buffers the
-    // calling thread (and each of the region's) keeps between calls: a decode step at batch 1 makes 30 of them. The
-    // region's threads reach the caller's through these references (a thread_local name is each thread's own).
+    // calling thread keeps between calls: a decode step at batch 1 makes 30 of them. The threads sharing the work
+    // reach the caller's through these references (a thread_local name is each thread's own).
     thread_local std::vector<int64_t> kept_chunk_start;
     thread_local std::vector<float> kept_partials;
     std::vector<int64_t>& chunk_start = kept_chunk_start;
@@ -395,14 +396,14 @@ void decode_attention(const Step& step) {
         float* at = partials.data() + chunk * per_chunk;
         return Partial{at, at + heads, at + 2 * heads};
     };
-    // run by each of a region's threads, whose `omp for`s share out the loops; or by the caller alone (one chunk: a
-    // short context at batch 1), with no region to enter (qrun_parallel_for says why)
-    const auto attend_and_merge = [&] {
+    // the chunks taken one at a time by the threads that attend (the chunks of a long sequence and a short one differ),
+    // each thread with query and score buffers it keeps
+    std::atomic<int64_t> next_chunk{0};
+    const auto attend = [&](int, int) {
         thread_local std::vector<float> queries, scores;
         queries.resize(heads * dim);
         scores.resize(heads * (CHUNK + LANES));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        for (int64_t chunk; (chunk = next_chunk.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
             const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
             const int64_t seq = after - chunk_start.begin() - 1;
             const int64_t tokens = chunk_tokens(step.seq_lens[seq]), begin = (chunk - chunk_start[seq]) * tokens;
@@ -412,31 +413,29 @@ void decode_attention(const Step& step) {
                                     std::min<int64_t>(begin + tokens, step.seq_lens[seq]), scores.data(),
                                     partial_of(chunk));
         }
-        // each decode row's heads: its chunks merged, in chunk order
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < step.num_seqs * heads; item++) {
-            const int64_t seq = item / heads, head = item % heads;
-            const int64_t first = chunk_start[seq], last = chunk_start[seq + 1];
-            if (first == last) continue;  // a prefill chunk: not this kernel's
-            float top = -FLT_MAX;
-            for (int64_t c = first; c < last; c++) top = std::max(top, partial_of(c).top[head]);
-            float sum = 0.f, out[dim] = {};
-            for (int64_t c = first; c < last; c++) {
-                const Partial part = partial_of(c);
-                const float weight = last - first == 1 ? 1.f : std::exp(part.top[head] - top);
-                sum += weight * part.sum[head];
-                for (int64_t d = 0; d < dim; d++) out[d] += weight * part.acc[head * dim + d];
-            }
-            float* row_out = step.out + (step.query_start_loc[seq] * heads + head) * dim;
-            for (int64_t d = 0; d < dim; d++) row_out[d] = out[d] / sum;
-        }
     };
-    if (chunks > 1 && step.threads > 1) {
-#pragma omp parallel num_threads(int(std::min<int64_t>(chunks, step.threads)))
-        attend_and_merge();
-    } else {
-        attend_and_merge();
-    }
+    // one chunk (a short context at batch 1) on the calling thread, without a region (qrun_parallel_for says why)
+    if (chunks > 1)
+        qrun_parallel(int(std::min<int64_t>(chunks, step.threads)), attend);
+    else
+        attend(0, 1);
+    // each decode row's heads: its chunks merged, in chunk order
+    qrun_parallel_for(step.num_seqs * heads, step.threads, chunks * heads * dim >= (1 << 14), [&](int64_t item) {
+        const int64_t seq = item / heads, head = item % heads;
+        const int64_t first = chunk_start[seq], last = chunk_start[seq + 1];
+        if (first == last) return;  // a prefill chunk: not this kernel's
+        float top = -FLT_MAX;
+        for (int64_t c = first; c < last; c++) top = std::max(top, partial_of(c).top[head]);
+        float sum = 0.f, out[dim] = {};
+        for (int64_t c = first; c < last; c++) {
+            const Partial part = partial_of(c);
+            const float weight = last - first == 1 ? 1.f : std::exp(part.top[head] - top);
+            sum += weight * part.sum[head];
+            for (int64_t d = 0; d < dim; d++) out[d] += weight * part.acc[head * dim + d];
+        }
+        float* row_out = step.out + (step.query_start_loc[seq] * heads + head) * dim;
+        for (int64_t d = 0; d < dim; d++) row_out[d] = out[d] / sum;
+    });
 }
 
 // Prefill chunks: rows whose sequence has more than one query this step. Unlike a decode row, a chunk's many queries

@@ -155,7 +155,7 @@ struct Linear {
         }
         switch (kind) {
             case QUANT: {
-                if (!qrun_ops::quant_matmul_on_vnni(in, tile_rows, dequantize_rows)) return quant_matmul(in);
+                if (!on_library_kernel(rows, in.scalar_type(), half_gemv)) return quant_matmul(in);
                 at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
                 qrun_ops::quant_matmul_vnni(vnni, in, y);
                 return bias ? y.add_(bias->to(y.scalar_type())) : y;  // as CpuQuantMatmul.forward adds it
@@ -180,6 +180,13 @@ struct Linear {
     Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
 
     bool may_take_half_gemv() const { return kind == HALF_GEMV || kind == HALF_GEMV_PACKED; }
+
+    // Whether `rows` rows of `dtype` multiply on a kernel of the library (the VNNI kernel, the float16 GEMV), which
+    // splits its work over a held team (QrunTeam), rather than on torch's ops (AMX tiles and oneDNN among them)
+    bool on_library_kernel(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
+        if (kind == QUANT) return qrun_ops::quant_matmul_on_vnni(rows, dtype, tile_rows, dequantize_rows);
+        return may_take_half_gemv() && half_gemv && rows <= GEMV_ROWS;
+    }
 };
 
 // A linear from DecodeLayer.set_linear's (or DecodeStack.set_head's) arguments, its VNNI planes checked once.
@@ -232,6 +239,12 @@ class DecodeLayer : public torch::CustomClassHolder {
     bool may_take_half_gemv() const {
         return std::any_of(std::begin(linears_), std::end(linears_),
                            [](const Linear& linear) { return linear.may_take_half_gemv(); });
+    }
+
+    bool on_library_kernels(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
+        return std::all_of(std::begin(linears_), std::end(linears_), [&](const Linear& linear) {
+            return linear.on_library_kernel(rows, dtype, half_gemv);
+        });
     }
 
     // (x, residual) after the layer; both may be the workspace's, which the next layer's step overwrites.
@@ -522,15 +535,33 @@ class DecodeStack : public torch::CustomClassHolder {
         return out;
     }
 
+    // Where every linear multiplies on the library's kernels, the step holds its threads as one team (QrunTeam) from
+    // the embedding to the head: the kernels hand their shares to it instead of entering ~150 OpenMP regions (~1-1.5 us
+    // each across a 2-core EPYC's two core complexes). torch's ops in between run on the calling thread, as in any
+    // region; so the logits' widening to float32 waits until the team is released.
     at::Tensor step(const std::vector<int64_t>& ids, const StepMeta& meta, bool half_gemv) {
-        at::Tensor x = embed(ids);
-        // zeros, as the eager model's first residual: the first layer adds it
-        at::Tensor residual = workspace_.get(Workspace::RESIDUAL, x.size(0), x.size(1), x.scalar_type()).zero_();
-        for (const auto& layer : layers_)
-            std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
-        at::Tensor normed = workspace_.get(Workspace::NORMED, x.size(0), x.size(1), x.scalar_type());
-        qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
-        return head_(normed, half_gemv, workspace_, Workspace::LOGITS).to(at::kFloat, false, /*copy=*/true);
+        const int64_t rows = ids.size();
+        const at::ScalarType dtype = embedding_.scalar_type();
+        const bool held = head_.on_library_kernel(rows, dtype, half_gemv) &&
+                          std::all_of(layers_.begin(), layers_.end(), [&](const auto& layer) {
+                              return layer->on_library_kernels(rows, dtype, half_gemv);
+                          });
+        at::Tensor logits;
+        const auto layers_and_head = [&] {
+            at::Tensor x = embed(ids);
+            // zeros, as the eager model's first residual: the first layer adds it
+            at::Tensor residual = workspace_.get(Workspace::RESIDUAL, x.size(0), x.size(1), x.scalar_type()).zero_();
+            for (const auto& layer : layers_)
+                std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
+            at::Tensor normed = workspace_.get(Workspace::NORMED, x.size(0), x.size(1), x.scalar_type());
+            qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
+            logits = head_(normed, half_gemv, workspace_, Workspace::LOGITS);
+        };
+        if (held)
+            QrunTeam::hold(at::get_num_threads(), layers_and_head);
+        else
+            layers_and_head();
+        return logits.to(at::kFloat, false, /*copy=*/true);
     }
 
     // Each row's first maximum of float32 logits [rows, vocab] (contiguous), -1 where a value is not finite (its

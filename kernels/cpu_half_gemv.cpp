@@ -13,7 +13,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <omp.h>
 
 #include "cpu_kernels.h"
 
@@ -83,8 +82,7 @@ void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y,
     const auto finish = [&](int64_t channel, float sum, int64_t r) {
         store(y, kind, r * ldy + channel, sum + (bias ? half_to_float(bias[channel]) : 0.f));
     };
-    qrun_parallel(threads, [&] {
-        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    qrun_parallel(threads, [&](int64_t part, int64_t parts) {
         const int64_t first = n * part / parts, last = n * (part + 1) / parts, share = (last - first) / STREAMS;
         float sums[STREAMS * ROWS];
         for (int64_t j = 0; j < share; j++) {

@@ -1,14 +1,19 @@
 // The plain C++ kernels' entry points (cpu_activation.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
 // cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp,
 // which makes them torch ops (the decode layer calls those); their Python modules document the arguments. And what
-// the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads.
+// the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads (a decode
+// step's team, else an OpenMP region).
 
 #pragma once
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <type_traits>
 
 // bfloat16 bits of a float, rounded to nearest even as torch rounds; NaN stays NaN. Branch-free, so loops of it
@@ -35,29 +40,121 @@ inline int qrun_with_kind(int kind, const F& f) {
     return 0;
 }
 
-// body(i) for i in [0, count): split over `threads` OpenMP threads where `worth_splitting`, else on the calling thread
-// without entering a region. An if(false) or one-thread region still costs libgomp a team: ~0.3 us warm, ~0.7 us
-// after a matmul has streamed its bookkeeping out of the caches, against ~0.3 us of work in a 576-wide norm; a decode
-// step at batch 1 runs ~300 such small loops.
+// A decode step's threads held as one team from its first op to its last: the calling thread runs the step, the
+// others wait in a spin loop for each kernel's share. Handing a share over costs a cache line's round trip between the
+// cores (~0.06 us on one core complex of a 2-core EPYC VM, ~0.35 us across two), against ~1.1-1.6 us for a libgomp
+// region across two; a step at batch 1 enters ~150. Over SmolLM2's 30 layers of 4-bit products at one row (a C++
+// harness, weights from memory, two threads across complexes): 1.23-1.29 ms a step against 1.46-1.54 ms in a region
+// each (issue 15's notes). Only the kernels that split through qrun_parallel use the team; a region entered while it
+// is held runs on one thread, and a worksharing construct (`omp for`, `omp barrier`) reached on the holding thread
+// alone would wait for the others forever: what a held step calls must split through qrun_parallel only.
+class QrunTeam {
+  public:
+    // step() on the calling thread with a team of `threads` held for it (none at one thread, or when one is held
+    // already); an exception it throws is rethrown once the team is released.
+    template <typename Step>
+    static void hold(int threads, const Step& step) {
+        if (threads <= 1 || held()) return step();
+        QrunTeam team;
+        std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+        {
+            if (omp_get_thread_num() == 0) {
+                team.size_ = omp_get_num_threads();
+                held() = &team;
+                try {
+                    step();
+                } catch (...) {
+                    error = std::current_exception();
+                }
+                held() = nullptr;
+                team.post(nullptr, nullptr, 0);
+            } else {
+                team.serve(omp_get_thread_num());
+            }
+        }
+        if (error) std::rethrow_exception(error);
+    }
+
+    // The team the calling thread holds, or null.
+    static QrunTeam*& held() {
+        thread_local QrunTeam* team = nullptr;
+        return team;
+    }
+
+    int size() const { return size_; }
+
+    // body(part, parts) on the first `parts` (at most size()) threads, the holder's part 0; returns when all are done.
+    template <typename Body>
+    void run(int parts, const Body& body) {
+        post([](const void* b, int part, int n) { (*static_cast<const Body*>(b))(part, n); }, &body, parts);
+        body(0, parts);
+        while (working_.value.load(std::memory_order_acquire) != 0) pause();
+    }
+
+  private:
+    using Call = void (*)(const void* body, int part, int parts);
+    struct alignas(64) Counter {
+        std::atomic<int64_t> value{0};
+    };
+
+    static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+
+    // The next job for the waiting threads (call null: leave).
+    void post(Call call, const void* body, int parts) {
+        call_ = call;
+        body_ = body;
+        parts_ = parts;
+        working_.value.store(size_ - 1, std::memory_order_relaxed);
+        posted_.value.fetch_add(1, std::memory_order_release);
+    }
+
+    void serve(int part) {
+        for (int64_t seen = 0;;) {
+            int64_t now;
+            while ((now = posted_.value.load(std::memory_order_acquire)) == seen) pause();
+            seen = now;
+            if (!call_) return;
+            if (part < parts_) call_(body_, part, parts_);
+            working_.value.fetch_sub(1, std::memory_order_release);
+        }
+    }
+
+    Counter posted_, working_;
+    Call call_ = nullptr;
+    const void* body_ = nullptr;
+    int parts_ = 0, size_ = 1;
+};
+
+// body(part, parts) run by `threads` threads, each taking its share by its part: on the held team (QrunTeam), else in
+// an OpenMP region; at one thread (the engine's count while another process holds a core) by the caller alone,
+// outside any region. A one-thread region costs libgomp a team: a 576 x 576 4-bit product at one row took 4.3 us in
+// cache without one and 5.0-6.9 us with.
+template <typename Body>
+inline void qrun_parallel(int threads, const Body& body) {
+    if (threads <= 1) return body(0, 1);
+    if (QrunTeam* team = QrunTeam::held()) return team->run(std::min(threads, team->size()), body);
+#pragma omp parallel num_threads(threads)
+    body(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// body(i) for i in [0, count): split over `threads` threads in equal runs where `worth_splitting`, else on the calling
+// thread without entering a region. An if(false) or one-thread region still costs libgomp a team: ~0.3 us warm,
+// ~0.7 us after a matmul has streamed its bookkeeping out of the caches, against ~0.3 us of work in a 576-wide norm; a
+// decode step at batch 1 runs ~300 such small loops.
 template <typename Body>
 inline void qrun_parallel_for(int64_t count, int threads, bool worth_splitting, const Body& body) {
     if (!worth_splitting || threads <= 1 || count <= 1) {
         for (int64_t i = 0; i < count; i++) body(i);
         return;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < count; i++) body(i);
-}
-
-// body() run by each of `threads` OpenMP threads, which take their shares by omp_get_thread_num(); or, at one thread
-// (the engine's count while another process holds a core), by the caller alone outside any region, where the OpenMP
-// calls answer 0 of 1. A one-thread region costs a team as above: a 576 x 576 4-bit product at one row took 4.3 us in
-// cache without one and 5.0-6.9 us with.
-template <typename Body>
-inline void qrun_parallel(int threads, const Body& body) {
-    if (threads <= 1) return body();
-#pragma omp parallel num_threads(threads)
-    body();
+    qrun_parallel(int(std::min<int64_t>(threads, count)), [&](int part, int parts) {
+        for (int64_t i = count * part / parts; i < count * (part + 1) / parts; i++) body(i);
+    });
 }
 
 // Element i of a row of float32 (QRUN_F32) or bfloat16 (QRUN_BF16) values as a float, and a float stored as one

@@ -149,7 +149,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
                         int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t tile_dequantize_rows,
                         int64_t dequantize_rows, int64_t read_streams) {
-    if (!qrun_ops::quant_matmul_on_vnni(x, tile_rows, dequantize_rows)) {  // bfloat16 rows, many
+    if (!qrun_ops::quant_matmul_on_vnni(x.size(0), x.scalar_type(), tile_rows, dequantize_rows)) {  // bfloat16 rows, many
         if (dequantize_rows > 0 && x.size(0) >= dequantize_rows)
             return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
                                                    high_scales, high_zeros, high_centers, k_high));
@@ -466,9 +466,8 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
     TORCH_CHECK(status == 0, "half_gemv: ", x.size(0), " rows; it multiplies 1 to 4");
 }
 
-bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequantize_rows) {
-    const int64_t rows = x.size(0);
-    return x.scalar_type() != at::kBFloat16 ||
+bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows, int64_t dequantize_rows) {
+    return dtype != at::kBFloat16 ||
            ((dequantize_rows <= 0 || rows < dequantize_rows) && (tile_rows <= 0 || rows < tile_rows));
 }
 

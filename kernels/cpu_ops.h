@@ -31,7 +31,7 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
                     at::Tensor& y);
 
 // Whether quant_matmul multiplies x's rows on the VNNI kernel (not AMX tiles or oneDNN; see its thresholds).
-bool quant_matmul_on_vnni(const at::Tensor& x, int64_t tile_rows, int64_t dequantize_rows);
+bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows, int64_t dequantize_rows);
 
 // An [n, k] weight's VNNI planes as the kernel reads them (kernels/cpu_quant_matmul.py's layout), checked once where
 // they are made: the decode layer keeps them with its linear, the op makes them for each call. The tensors they

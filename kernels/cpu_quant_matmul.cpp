@@ -270,8 +270,7 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
 template <int R, bool two_digits, int STREAMS>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
     const int64_t tiles = weights.n / TILE_N;
-    qrun_parallel(threads, [&] {
-        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    qrun_parallel(threads, [&](int64_t part, int64_t parts) {
         const int64_t first = tiles * part / parts, last = tiles * (part + 1) / parts;
         const int64_t quarter = (last - first) / STREAMS;
         for (int64_t j = 0; j < quarter; j++) {
@@ -298,16 +297,17 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
     if (rows == 2) return few_rows<2, two_digits>(x, weights, out, streams, threads);
     constexpr int64_t R = ROW_TILE<two_digits>;
     const int64_t block_rows = std::max<int64_t>(1, ROW_BLOCK_BYTES / weights.k / R) * R;
-#pragma omp parallel num_threads(threads)
-    for (int64_t first = 0; first < rows; first += block_rows) {
-        const int64_t last = std::min(rows, first + block_rows);
-#pragma omp for schedule(static) nowait
-        for (int64_t tile = 0; tile < weights.n / TILE_N; tile++) {
-            int64_t m0 = first;
-            for (; m0 + R <= last; m0 += R) tile_rows<R, 1, two_digits>(weights, x, m0, out, &tile);
-            remaining_rows<R - 1, two_digits>(last - m0, weights, x, m0, out, tile);
+    const int64_t tiles = weights.n / TILE_N;
+    qrun_parallel(threads, [&](int64_t part, int64_t parts) {
+        for (int64_t first = 0; first < rows; first += block_rows) {
+            const int64_t last = std::min(rows, first + block_rows);
+            for (int64_t tile = tiles * part / parts; tile < tiles * (part + 1) / parts; tile++) {
+                int64_t m0 = first;
+                for (; m0 + R <= last; m0 += R) tile_rows<R, 1, two_digits>(weights, x, m0, out, &tile);
+                remaining_rows<R - 1, two_digits>(last - m0, weights, x, m0, out, tile);
+            }
         }
-    }
+    });
 }
 
 }  // namespace

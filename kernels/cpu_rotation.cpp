@@ -126,27 +126,20 @@ void rotate_row(const void* x, int64_t ldx, void* out, int64_t ldout, const floa
     for (; i < k; i++) qrun_store_value<kind>(dst, i, inverse ? rotated[i] * signs[i] : rotated[i]);
 }
 
-// Rows of x rotated into out (qrun_rotate's arguments, n = k / odd); out may be x. One row (a decode step's, ~60 a
-// step for a 4.0-bpw SmolLM2) runs on the calling thread with buffers it keeps: a parallel region and two fresh
-// buffers cost as much as its arithmetic.
+// Rows of x rotated into out (qrun_rotate's arguments, n = k / odd); out may be x. A few rows (a decode step's one,
+// ~60 a step for a 4.0-bpw SmolLM2, or its heads of 64) run on the calling thread, with buffers each thread keeps: a
+// parallel region and two fresh buffers cost as much as their arithmetic.
 template <int kind, bool inverse>
 void rotate_rows(const void* x, int64_t ldx, void* out, int64_t ldout, const float* signs, const float* odd_factor,
                  int64_t odd, int64_t n, int64_t rows, int threads) {
     const int64_t k = n * odd;
     if (rows <= 0) return;
-    if (rows == 1) {
+    qrun_parallel_for(rows, threads, rows * k >= (1 << 14), [&](int64_t r) {
         thread_local std::vector<float> a, b;
         a.resize(k);
         b.resize(k);
-        return rotate_row<kind, inverse>(x, ldx, out, ldout, signs, odd_factor, odd, n, 0, a.data(), b.data());
-    }
-#pragma omp parallel num_threads(std::min<int64_t>(threads, rows))
-    {
-        std::vector<float> a(k), b(k);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            rotate_row<kind, inverse>(x, ldx, out, ldout, signs, odd_factor, odd, n, r, a.data(), b.data());
-    }
+        rotate_row<kind, inverse>(x, ldx, out, ldout, signs, odd_factor, odd, n, r, a.data(), b.data());
+    });
 }
 
 // Each head row of x [rows][heads][dim] reflected into out: x - 2 (x . u) u with its KV head's u (heads / kv_heads
