@@ -88,8 +88,14 @@ class QrunTeam {
     template <typename Body>
     void run(int parts, const Body& body) {
         post([](const void* b, int part, int n) { (*static_cast<const Body*>(b))(part, n); }, &body, parts);
-        body(0, parts);
+        std::exception_ptr error;  // rethrown once the others are done with the body
+        try {
+            body(0, parts);
+        } catch (...) {
+            error = std::current_exception();
+        }
         while (working_.value.load(std::memory_order_acquire) != 0) pause();
+        if (error) std::rethrow_exception(error);
     }
 
   private:

@@ -184,13 +184,10 @@ bool quant_matmul_tiles_available() { return qrun_quant_matmul_tiles_available()
 // and 7 us; one row the same) on two Xeon cores.
 template <typename Element>
 void gather_rows(const Element* x, int64_t ldx, const int64_t* index, int64_t columns, Element* out, int64_t rows) {
-    at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(columns, 1)),
-                     [x, ldx, index, columns, out](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; r++) {
-            const Element* __restrict row = x + r * ldx;
-            Element* __restrict to = out + r * columns;
-            for (int64_t j = 0; j < columns; j++) to[j] = row[index[j]];
-        }
+    qrun_parallel_for(rows, at::get_num_threads(), rows * columns >= (1 << 14), [&](int64_t r) {
+        const Element* __restrict row = x + r * ldx;
+        Element* __restrict to = out + r * columns;
+        for (int64_t j = 0; j < columns; j++) to[j] = row[index[j]];
     });
 }
 
@@ -524,8 +521,9 @@ void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {
                 values.scalar_type(), " ", values.sizes(), " and ", out.scalar_type(), " ", out.sizes());
     const float* in = values.data_ptr<float>();
     uint16_t* bits = static_cast<uint16_t*>(out.data_ptr());
-    at::parallel_for(0, values.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) bits[i] = qrun_bfloat16_bits(in[i]);
+    const int64_t count = values.numel();
+    qrun_parallel(count >= (1 << 15) ? at::get_num_threads() : 1, [&](int64_t part, int64_t parts) {
+        for (int64_t i = count * part / parts; i < count * (part + 1) / parts; i++) bits[i] = qrun_bfloat16_bits(in[i]);
     });
 }
 
