@@ -45,9 +45,10 @@ inline int qrun_with_kind(int kind, const F& f) {
 // cores (~0.06 us on one core complex of a 2-core EPYC VM, ~0.35 us across two), against ~1.1-1.6 us for a libgomp
 // region across two; a step at batch 1 enters ~150. Over SmolLM2's 30 layers of 4-bit products at one row (a C++
 // harness, weights from memory, two threads across complexes): 1.31-1.35 ms a step against 1.46-1.54 ms in a region
-// each; the engine's 4.0-bpw single stream 1.07x (issue 15's notes). Only the kernels that split through qrun_parallel use the team; a region entered while it
-// is held runs on one thread, and a worksharing construct (`omp for`, `omp barrier`) reached on the holding thread
-// alone would wait for the others forever: what a held step calls must split through qrun_parallel only.
+// each; the engine's 4.0-bpw single stream 1.07x (issue 15's notes). Only the kernels that split through
+// qrun_parallel use the team; a region entered while it is held runs on one thread, and a worksharing construct (`omp
+// for`, `omp barrier`) reached on the holding thread alone would wait for the others forever: what a held step calls
+// must split through qrun_parallel only.
 class QrunTeam {
   public:
     // step() on the calling thread with a team of `threads` held for it (none at one thread, or when one is held

@@ -149,7 +149,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const std::optional<at::Tensor>& high_zeros, const std::optional<at::Tensor>& high_centers,
                         int64_t k_high, int64_t input_digits, int64_t tile_rows, int64_t tile_dequantize_rows,
                         int64_t dequantize_rows, int64_t read_streams) {
-    if (!qrun_ops::quant_matmul_on_vnni(x.size(0), x.scalar_type(), tile_rows, dequantize_rows)) {  // bfloat16 rows, many
+    // bfloat16 rows, many: AMX tiles or oneDNN
+    if (!qrun_ops::quant_matmul_on_vnni(x.size(0), x.scalar_type(), tile_rows, dequantize_rows)) {
         if (dequantize_rows > 0 && x.size(0) >= dequantize_rows)
             return at::linear(x, dequantize_planes(codes, scales, zeros, centers, group, out_features, high_codes,
                                                    high_scales, high_zeros, high_centers, k_high));
@@ -522,9 +523,8 @@ void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {
     const float* in = values.data_ptr<float>();
     uint16_t* bits = static_cast<uint16_t*>(out.data_ptr());
     const int64_t count = values.numel();
-    qrun_parallel(count >= (1 << 15) ? at::get_num_threads() : 1, [&](int64_t part, int64_t parts) {
-        for (int64_t i = count * part / parts; i < count * (part + 1) / parts; i++) bits[i] = qrun_bfloat16_bits(in[i]);
-    });
+    qrun_parallel_for(count, at::get_num_threads(), count >= (1 << 15),
+                      [&](int64_t i) { bits[i] = qrun_bfloat16_bits(in[i]); });
 }
 
 void paged_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim, const at::Tensor& k_cache,
