@@ -18,16 +18,19 @@ Steps with a prefill chunk run the torch model.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-from qrun.cpu_linear import CpuDenseLinear
+from qrun.cpu_linear import CpuDenseLinear, gemv_linears, measure_gemv_read_streams
 from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.cpu_attention import HEAD_DIMS
 from qrun.kernels.cpu_rotation import odd_factor
+from qrun.kernels.read_streams import READ_STREAMS, fastest_read_streams
 from qrun.kv_cache import KVCache, LayerKV
 from qrun.model import DecoderLayer, StepLayout, Transformer
-from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear
+from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear, measure_read_streams, vnni_matmuls
 
 # Linear kinds of cpu_decode_layer.cpp
 QUANT, DENSE, HALF_GEMV, HALF_GEMV_PACKED, DEQUANTIZED = range(5)
@@ -131,3 +134,51 @@ class DecodeModel:
         case); a step in which one passes float16's range runs again without it, in the same call."""
         return self.stack.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
                                   layout.seq_lens, layout.query_start_loc, half_gemv)
+
+
+# Seconds of batch-1 steps a model's load spends choosing each kind of product's read streams (SmolLM2 takes less: 3
+# counts x 6 sweeps of 2 steps, ~0.12 s at 4.0 bpw, ~0.3 s dense); a model whose steps are slower sweeps fewer times.
+TUNING_SECONDS = 0.5
+TUNING_STEPS = 2
+
+
+def fastest_decode_model(model: Transformer, kv_cache: KVCache) -> DecodeModel | None:
+    """`DecodeModel.build`, with each kind of one-row product (the VNNI kernel's, the float16 GEMV's) reading the count
+    of weight streams (`kernels/read_streams.py`) under which a batch-1 step runs fastest on this machine, timed on the
+    step itself: there the products run back to back on a held team of threads, which one call at a time does not
+    show (on a 2-core EPYC the products timed one call each chose 4 streams for the VNNI kernel, under which 128-token
+    4.0-bpw single streams ran 263 tok/s, against 303 with 1 in the same process). Where the step does not cover the
+    model, the products are timed one call each, as its torch layers run them.
+
+    Run before the engine takes requests: the timed steps write one token's keys and values to block 0's first slot,
+    which holds nothing yet."""
+    built = DecodeModel.build(model, kv_cache)
+    if built is None:
+        measure_read_streams(model)
+        measure_gemv_read_streams(model)
+        return None
+    layout = StepLayout(slot_mapping=[0], block_tables=[0], table_width=1, seq_lens=[1], query_start_loc=[0, 1])
+    for kind in (vnni_matmuls(model), gemv_linears(model)):
+        if not kind:
+            continue
+        steps: dict[int, DecodeModel] = {}
+        for streams in READ_STREAMS:
+            for module in kind:
+                module.read_streams = streams
+            steps[streams] = DecodeModel.build(model, kv_cache)
+
+        def sweep(streams: int) -> None:
+            for _ in range(TUNING_STEPS):
+                steps[streams].step([0], [0], layout)
+
+        with torch.inference_mode():
+            sweep(READ_STREAMS[0])  # the first steps also fault in the kept buffers
+            start = time.perf_counter()
+            sweep(READ_STREAMS[0])
+            per_sweep = time.perf_counter() - start
+            repeats = max(1, min(5, int(TUNING_SECONDS / (len(READ_STREAMS) * per_sweep)) - 1))
+            fastest = fastest_read_streams(sweep, repeats)
+        for module in kind:
+            module.read_streams = fastest
+        built = steps[fastest]
+    return built

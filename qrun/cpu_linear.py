@@ -89,7 +89,7 @@ class CpuDenseLinear(nn.Module):
                 self.weight = nn.Parameter(self.weight_packed, requires_grad=False)
         self.enabled = True  # False inside bfloat16_only
         self.half_gemv = cpu_half_gemv.half_gemv if backend(self.weight_f16.device) == "cpu" else half_gemv_ref
-        self.read_streams = DEFAULT_READ_STREAMS  # the GEMV's: measure_gemv_read_streams
+        self.read_streams = DEFAULT_READ_STREAMS  # the GEMV's: cpu_decode.fastest_decode_model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:
@@ -132,11 +132,18 @@ def use_cpu_dense_linears(model: nn.Module) -> None:
                 setattr(module, name, CpuDenseLinear(child, shared=references[id(child.weight)] > 1))
 
 
+def gemv_linears(model: nn.Module) -> list[CpuDenseLinear]:
+    """The linears of `model` whose one-row products run on the library's float16 GEMV (those with
+    read streams to choose)."""
+    return [m for m in model.modules() if isinstance(m, CpuDenseLinear) and m.half_gemv is cpu_half_gemv.half_gemv]
+
+
 def measure_gemv_read_streams(model: nn.Module) -> None:
-    """Set every CpuDenseLinear's read streams to the count under which its model's one-row float16
-    GEMVs run fastest on this machine (`kernels/read_streams.py`; dense SmolLM2: ~270 MB of
-    weights, ~0.2 s). Run at load, where the weights will stay."""
-    linears = [m for m in model.modules() if isinstance(m, CpuDenseLinear) and m.half_gemv is cpu_half_gemv.half_gemv]
+    """Set every library GEMV's read streams to the count under which its model's one-row float16
+    GEMVs, one call each as the torch layers run them, are fastest on this machine
+    (`kernels/read_streams.py`; dense SmolLM2: ~270 MB of weights, ~0.2 s). For a model the C++
+    decode step does not cover: `cpu_decode.fastest_decode_model` times the others' steps."""
+    linears = gemv_linears(model)
 
     def product(linear: CpuDenseLinear) -> tuple[Callable[[int], object], int]:
         row = torch.randn(1, linear.in_features, dtype=torch.bfloat16)

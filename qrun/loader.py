@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from qrun.config import ModelConfig
-from qrun.cpu_linear import cpu_dense_linears_apply, measure_gemv_read_streams, use_cpu_dense_linears
+from qrun.cpu_linear import cpu_dense_linears_apply, use_cpu_dense_linears
 from qrun.errors import ModelLoadError, one_line
 from qrun.huge_pages import move_to_huge_pages
 from qrun.model import Transformer
@@ -360,9 +360,4 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
     net.eval().requires_grad_(False)
     if torch_device.type == "cpu":
         move_to_huge_pages(net)
-    if quantized:  # on the matmuls decode steps run, where they will stay: after fusing and moving
-        from qrun.quant import measure_read_streams
-
-        measure_read_streams(net)
-    measure_gemv_read_streams(net)
     return LoadedModel(net, config, tokenizer, source, hf_config)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
-from qrun.cpu_decode import DecodeModel
+from qrun.cpu_decode import fastest_decode_model
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.cuda_graphs import CudaGraphDecode
 from qrun.kernels import backend
@@ -41,7 +41,7 @@ class ModelRunner:
         # compiled torch layer (unless compile_decode is off), else eager; on a GPU with the
         # Triton kernels, CUDA graphs (unless compile_decode is off)
         kernels = backend(self.device)
-        self.decode_model = DecodeModel.build(self.model, self.kv_cache) if kernels == "cpu" else None
+        self.decode_model = fastest_decode_model(self.model, self.kv_cache) if kernels == "cpu" else None
         self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_model is None
                          and can_compile(self.model, self.device) else None)
         self.graphs = (CudaGraphDecode(self.model, self.kv_cache, max_num_seqs, max_model_len)

@@ -229,7 +229,7 @@ class CpuQuantMatmul(nn.Module):
         # the VNNI kernel's (codes, scales, zeros, centers) of the low digits, then of the high ones
         # (or four Nones); low and high: torch's int4 kernel's weights instead
         self.planes = self.low = self.high = None
-        self.read_streams = DEFAULT_READ_STREAMS  # the VNNI kernel's: measure_read_streams
+        self.read_streams = DEFAULT_READ_STREAMS  # the VNNI kernel's: cpu_decode.fastest_decode_model
         self.dequantizes = False
         self.gather_columns = (cpu_quant_matmul.gather_columns if backend(torch.device("cpu")) == "cpu"
                                else cpu_quant_matmul.gather_columns_ref)
@@ -365,11 +365,17 @@ def prepare_quantized_linears(model: nn.Module) -> None:
             module.prepare(input_digits=2 if module is head else 1)
 
 
+def vnni_matmuls(model: nn.Module) -> list[CpuQuantMatmul]:
+    """The matmuls of `model` that run on the VNNI kernel (those with read streams to choose)."""
+    return [m for m in model.modules() if isinstance(m, CpuQuantMatmul) and m.planes is not None]
+
+
 def measure_read_streams(model: nn.Module) -> None:
-    """Set every VNNI matmul's read streams to the count under which its model's one-row products
-    run fastest on this machine (`kernels/read_streams.py`; SmolLM2 at 4.0 bpw: ~90 MB of
-    weights, ~0.1 s). Run at load, after the projections are fused."""
-    matmuls = [m for m in model.modules() if isinstance(m, CpuQuantMatmul) and m.planes is not None]
+    """Set every VNNI matmul's read streams to the count under which its model's one-row products,
+    one call each as the torch layers run them, are fastest on this machine
+    (`kernels/read_streams.py`; SmolLM2 at 4.0 bpw: ~90 MB of weights, ~0.1 s). For a model the
+    C++ decode step does not cover: `cpu_decode.fastest_decode_model` times the others' steps."""
+    matmuls = vnni_matmuls(model)
 
     def product(matmul: CpuQuantMatmul) -> tuple[Callable[[int], object], int]:
         row = torch.randn(1, matmul.planes[0].numel() * 2 // matmul.out_features, dtype=torch.bfloat16)

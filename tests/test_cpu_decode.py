@@ -9,13 +9,15 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from qrun import LLM, SamplingParams
+from qrun import LLM, SamplingParams, cpu_decode
 from qrun.convert.main import convert
 from qrun.cpu_decode import DecodeModel
-from qrun.cpu_linear import bfloat16_only
+from qrun.cpu_linear import bfloat16_only, gemv_linears
 from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.argmax import first_max_ref
+from qrun.kernels.read_streams import READ_STREAMS
 from qrun.model import AttentionMetadata, StepLayout
+from qrun.quant import vnni_matmuls
 from tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
@@ -185,6 +187,49 @@ def test_a_step_layout_that_does_not_fit_its_rows_is_refused_naming_what_must_ma
 
 def test_heads_without_a_cpp_attention_keep_the_torch_model(tiny_llama_dir):
     assert engine(tiny_llama_dir).engine.runner.decode_model is None  # heads of 16
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_decode_steps_read_the_stream_count_under_which_timed_steps_ran_fastest(tiny_llama64_dir, calib_file, tmp_path,
+                                                                                monkeypatch, quantized):
+    """The float16 GEMVs of a dense bfloat16 model, the VNNI matmuls of a quantized one."""
+    path, kind = tiny_llama64_dir, gemv_linears
+    if quantized:
+        if not cpu_quant_matmul.available():
+            pytest.skip("the 4-bit C++ matmul needs AVX512-VNNI")
+        path, kind = tmp_path / "llama-q", vnni_matmuls
+        convert(tiny_llama64_dir, path, bits=4.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
+    builds = []  # (the read streams of the kind's products, the step built with them)
+    build = DecodeModel.build.__func__
+
+    def recorded(cls, model, kv_cache):
+        step = build(cls, model, kv_cache)
+        builds.append(({module.read_streams for module in kind(model)}, step))
+        return step
+
+    monkeypatch.setattr(DecodeModel, "build", classmethod(recorded))
+    timed = []
+
+    def second_fastest(sweep, repeats):
+        for streams in READ_STREAMS:
+            sweep(streams)
+            timed.append(streams)
+        return READ_STREAMS[1]
+
+    monkeypatch.setattr(cpu_decode, "fastest_read_streams", second_fastest)
+    runner = engine(path, dtype="bfloat16").engine.runner
+    chosen = {READ_STREAMS[1]}
+    assert kind(runner.model) and {module.read_streams for module in kind(runner.model)} == chosen
+    assert timed == list(READ_STREAMS)
+    assert [step is runner.decode_model for streams, step in builds if streams == chosen] == [True]
+
+
+def test_a_model_the_decode_step_does_not_cover_times_its_products_one_call_each(tiny_llama_dir, monkeypatch):
+    measured = []
+    monkeypatch.setattr(cpu_decode, "measure_read_streams", lambda model: measured.append("vnni"))
+    monkeypatch.setattr(cpu_decode, "measure_gemv_read_streams", lambda model: measured.append("gemv"))
+    assert engine(tiny_llama_dir, dtype="bfloat16").engine.runner.decode_model is None  # heads of 16
+    assert measured == ["vnni", "gemv"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
