@@ -124,9 +124,8 @@ def run_qrun(llm, requests: Sequence[BenchRequest], *, system: str = "qrun",
                                                                 ignore_eos=True), arrival_time=t0)
         try:
             while len(finished) < len(ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+                for output in engine.step(finished_only=True):
+                    finished[output.request_id] = output
         except BaseException:
             for request_id in ids:
                 engine.abort(request_id)

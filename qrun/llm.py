@@ -51,9 +51,8 @@ class LLM:
                 start_tokens = engine.num_generated_tokens
                 start = bar.get_time()
                 while len(finished) < len(ids):
-                    for output in engine.step():
-                        if output.finished:
-                            finished[output.request_id] = output
+                    for output in engine.step(finished_only=True):
+                        finished[output.request_id] = output
                     elapsed = max(bar.get_time() - start, 1e-9)
                     bar.update(task, completed=len(finished),
                                rate=f"{(engine.num_generated_tokens - start_tokens) / elapsed:.1f} tok/s")

@@ -256,8 +256,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the outputs of the requests it advanced.
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one forward pass; return the outputs of the requests it advanced (`finished_only`:
+        of those it finished, for a caller that collects only final outputs, which spares building
+        the others' cumulative outputs every step).
 
         A fault in one request's share of the step fails that request alone, and a failed
         forward pass fails the step's requests: their outputs end with finish_reason "error".
@@ -277,7 +279,7 @@ class LLMEngine:
             log.exception("the forward pass failed")
             for seq in batch.seqs:
                 self._fail(seq.request_id, f"the forward pass failed ({type(err).__name__}: {err})")
-            return self._outputs({seq.request_id for seq in batch.seqs})
+            return self._outputs({seq.request_id for seq in batch.seqs}, finished_only)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.commit_computed(seq)
@@ -285,14 +287,15 @@ class LLMEngine:
             self._sample_and_append(sampling, logits, first_max)
         if self.step_observers:
             self._observe(batch, prefill_tokens)
-        return self._outputs({seq.request_id for seq in batch.seqs})
+        return self._outputs({seq.request_id for seq in batch.seqs}, finished_only)
 
-    def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
-        """The current outputs of these requests; finished ones are forgotten once reported."""
+    def _outputs(self, request_ids: set[str], finished_only: bool = False) -> list[RequestOutput]:
+        """The current outputs of these requests (finished_only: of the finished ones); finished
+        ones are forgotten once reported."""
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or (finished_only and not request.finished):
                 continue
             outputs.append(request.output())
             if request.finished:

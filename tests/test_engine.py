@@ -73,6 +73,17 @@ def test_greedy_n_completions_are_identical_to_n_equals_one(llm):
     assert all(c.token_ids == one.token_ids for c in many.outputs)
 
 
+def test_a_step_for_final_outputs_reports_each_request_once_as_it_finishes(llm):
+    engine = llm.engine
+    for i, prompt in enumerate(prompts(3, seed=7)):
+        engine.add_request(f"final-{i}", prompt, SamplingParams(max_tokens=2 + 3 * i, **GREEDY))
+    reported = []
+    while engine.has_unfinished_requests():
+        reported += [(out.request_id, out.finished, len(out.token_ids)) for out in engine.step(finished_only=True)]
+    assert reported == [("final-0", True, 2), ("final-1", True, 5), ("final-2", True, 8)]
+    assert not any(request_id.startswith("final-") for request_id in engine.requests)
+
+
 def test_step_observers_see_every_token_the_engine_computes(llm):
     batch = prompts(3, seed=99)  # prompts no other test cached
     seen = []
