@@ -136,8 +136,9 @@ class DecodeModel:
                                   layout.seq_lens, layout.query_start_loc, half_gemv)
 
 
-# Seconds of batch-1 steps a model's load spends choosing each kind of product's read streams (SmolLM2 takes less: 3
-# counts x 6 sweeps of 2 steps, ~0.12 s at 4.0 bpw, ~0.3 s dense); a model whose steps are slower sweeps fewer times.
+# Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams (SmolLM2 takes
+# less: 3 counts x 6 sweeps of 2 steps, ~0.12 s at 4.0 bpw, ~0.3 s dense); a model whose steps are slower sweeps fewer
+# times, down to one timed sweep a count (16 steps in all, the untimed ones included).
 TUNING_SECONDS = 0.5
 TUNING_STEPS = 2
 
