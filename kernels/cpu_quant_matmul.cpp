@@ -1,5 +1,5 @@
 // y = x W^T for 4-bit weights on x86 CPUs with AVX512-VNNI: activations quantized to int8 per
-// row and 32-element block (as llama.cpp's q8_0), weights' 4-bit codes multiplied by them with
+// row and weight group (one step per group, a multiple of 32 inputs), weights' 4-bit codes multiplied by them with
 // vpdpbusd (64 unsigned x signed byte products per instruction). Layout and reasons:
 // kernels/cpu_quant_matmul.py.
 //
@@ -49,13 +49,13 @@ inline void prefetch_ahead(const uint8_t* stream) {
     _mm_prefetch(reinterpret_cast<const char*>(stream + PREFETCH_L2), _MM_HINT_T1);
 }
 
-// x ~ scale * (high + low / LOW_STEPS) per block of 32: one int8 digit (high), or two, as
+// x ~ step * (high + low / LOW_STEPS) per group: one int8 digit (high), or two, as
 // precise as 15 bits, at twice the multiplications.
 constexpr float LOW_STEPS = 254.f;
 
 struct QuantizedRows {
     std::vector<int8_t> high, low;  // [M, K]
-    std::vector<float> block_scales;  // [M, K / 32]
+    std::vector<float> steps;  // [M, K / group]: the int8 step of each row's inputs in a weight group
     std::vector<float> group_sums;  // [M, K / group]: the float inputs summed, for the zeros
     std::vector<float> rounded_sums;  // [M, K / group]: the same of the rounded inputs, for the centers
 };
@@ -73,26 +73,30 @@ inline __m512 load16(const In* at) {
 template <typename In>
 const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group, bool two_digits,
                                    int threads) {
-    const int64_t blocks = rows * k / BLOCK_K, groups = rows * k / group;
+    const int64_t groups = k / group;
     thread_local QuantizedRows kept;
     QuantizedRows& q = kept;  // the caller's: a region's thread naming `kept` would get its own
     q.high.resize(rows * k);
     q.low.resize(two_digits ? rows * k : 0);
-    q.block_scales.resize(blocks);
-    q.group_sums.resize(groups);
-    q.rounded_sums.assign(groups, 0.f);
+    q.steps.resize(rows * groups);
+    q.group_sums.resize(rows * groups);
+    q.rounded_sums.resize(rows * groups);
     qrun_parallel_for(rows, threads, rows * k >= (1 << 14), [&](int64_t m) {
-        const In* row = x + m * ldx;
-        for (int64_t b = 0; b < k / BLOCK_K; b++) {
-            const __m512 lo = load16(row + b * BLOCK_K), hi = load16(row + b * BLOCK_K + 16);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        for (int64_t g = 0; g < groups; g++) {
+            const In* inputs = x + m * ldx + g * group;
+            __m512 top16 = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+            for (int64_t i = 0; i < group; i += 16) {
+                const __m512 values = load16(inputs + i);
+                top16 = _mm512_max_ps(top16, _mm512_abs_ps(values));
+                sum = _mm512_add_ps(sum, values);
+            }
+            const float top = _mm512_reduce_max_ps(top16);
             const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-            q.block_scales[m * (k / BLOCK_K) + b] = top / 127.f;
             __m512 rounded_sum = _mm512_setzero_ps();
-            for (int half = 0; half < 2; half++) {
-                const __m512 scaled = _mm512_mul_ps(half ? hi : lo, inverse);
+            for (int64_t i = 0; i < group; i += 16) {
+                const __m512 scaled = _mm512_mul_ps(load16(inputs + i), inverse);
                 const __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                const int64_t at = m * k + b * BLOCK_K + half * 16;
+                const int64_t at = m * k + g * group + i;
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(q.high.data() + at),
                                  _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded)));
                 rounded_sum = _mm512_add_ps(rounded_sum, rounded);
@@ -105,13 +109,9 @@ const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64
                     rounded_sum = _mm512_fmadd_ps(low, _mm512_set1_ps(1.f / LOW_STEPS), rounded_sum);
                 }
             }
-            q.rounded_sums[m * (k / group) + b * BLOCK_K / group] +=
-                _mm512_reduce_add_ps(rounded_sum) * q.block_scales[m * (k / BLOCK_K) + b];
-        }
-        for (int64_t g = 0; g < k / group; g++) {
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t i = g * group; i < (g + 1) * group; i += 16) sum = _mm512_add_ps(sum, load16(row + i));
-            q.group_sums[m * (k / group) + g] = _mm512_reduce_add_ps(sum);
+            q.steps[m * groups + g] = top / 127.f;
+            q.rounded_sums[m * groups + g] = _mm512_reduce_add_ps(rounded_sum) * (top / 127.f);
+            q.group_sums[m * groups + g] = _mm512_reduce_add_ps(sum);
         }
     });
     return q;
@@ -169,14 +169,17 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     const auto [codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers, k_high] = weights;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
     const int64_t high_blocks = k_high / BLOCK_K, high_groups = k_high / group;
-    __m512 total[T][R], group_total[T][R];
+    __m512 total[T][R];
+    // each row's int32 sums over the group so far, by the inputs' digit: the group's inputs share one step
+    __m512i high_dot[T][R], low_dot[T][R];
     const uint8_t* tile_codes[T];
     const uint8_t* tile_high_codes[T];
     for (int t = 0; t < T; t++) {
         tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
         tile_high_codes[t] = high_codes + tiles[t] * high_blocks * BLOCK_K * TILE_N / 2;
         for (int r = 0; r < R; r++) {
-            total[t][r] = group_total[t][r] = _mm512_setzero_ps();
+            total[t][r] = _mm512_setzero_ps();
+            high_dot[t][r] = low_dot[t][r] = _mm512_setzero_si512();
         }
     }
     const __m512i low_nibbles = _mm512_set1_epi8(15);
@@ -207,21 +210,14 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 const int64_t at = m0 * k + b * BLOCK_K;
                 const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
                 const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
-                __m512i high_dot[R], low_dot[R];
-                for (int r = 0; r < R; r++) high_dot[r] = low_dot[r] = _mm512_setzero_si512();
                 for (int q = 0; q < 8; q++)
                     for (int r = 0; r < R; r++) {
-                        high_dot[r] = _mm512_dpbusd_epi32(high_dot[r], w[q], _mm512_set1_epi32(high[r * k / 4 + q]));
+                        high_dot[t][r] =
+                            _mm512_dpbusd_epi32(high_dot[t][r], w[q], _mm512_set1_epi32(high[r * k / 4 + q]));
                         if constexpr (two_digits)
-                            low_dot[r] = _mm512_dpbusd_epi32(low_dot[r], w[q], _mm512_set1_epi32(low[r * k / 4 + q]));
+                            low_dot[t][r] =
+                                _mm512_dpbusd_epi32(low_dot[t][r], w[q], _mm512_set1_epi32(low[r * k / 4 + q]));
                     }
-                for (int r = 0; r < R; r++) {
-                    __m512 dot = _mm512_cvtepi32_ps(high_dot[r]);
-                    if constexpr (two_digits)
-                        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot[r]), _mm512_set1_ps(1.f / LOW_STEPS), dot);
-                    group_total[t][r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x.block_scales[(m0 + r) * blocks + b]),
-                                                        group_total[t][r]);
-                }
             }
             if ((b + 1) % blocks_per_group) continue;
             const int64_t g = b / blocks_per_group;
@@ -235,12 +231,16 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 if constexpr (upper)
                     zero = _mm512_add_ps(zero, load_halves(high_zeros + (tiles[t] * high_groups + g) * TILE_N));
                 for (int r = 0; r < R; r++) {
-                    const __m512 centred = _mm512_sub_ps(
-                        group_total[t][r], _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
+                    __m512 dot = _mm512_cvtepi32_ps(high_dot[t][r]);
+                    if constexpr (two_digits)
+                        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot[t][r]), _mm512_set1_ps(1.f / LOW_STEPS), dot);
+                    const __m512 centred =
+                        _mm512_sub_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.steps[(m0 + r) * groups + g])),
+                                      _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
                     total[t][r] = _mm512_fmadd_ps(centred, scale, total[t][r]);
                     total[t][r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x.group_sums[(m0 + r) * groups + g]),
                                                   total[t][r]);
-                    group_total[t][r] = _mm512_setzero_ps();
+                    high_dot[t][r] = low_dot[t][r] = _mm512_setzero_si512();
                 }
             }
         }
