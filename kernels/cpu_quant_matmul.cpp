@@ -90,7 +90,7 @@ const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64
                 top16 = _mm512_max_ps(top16, _mm512_abs_ps(values));
                 sum = _mm512_add_ps(sum, values);
             }
-            const float top = _mm512_reduce_max_ps(top16);
+            const float top = _mm512_reduce_max_ps(top16), step = top / 127.f;
             const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
             __m512 rounded_sum = _mm512_setzero_ps();
             for (int64_t i = 0; i < group; i += 16) {
@@ -109,8 +109,8 @@ const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64
                     rounded_sum = _mm512_fmadd_ps(low, _mm512_set1_ps(1.f / LOW_STEPS), rounded_sum);
                 }
             }
-            q.steps[m * groups + g] = top / 127.f;
-            q.rounded_sums[m * groups + g] = _mm512_reduce_add_ps(rounded_sum) * (top / 127.f);
+            q.steps[m * groups + g] = step;
+            q.rounded_sums[m * groups + g] = _mm512_reduce_add_ps(rounded_sum) * step;
             q.group_sums[m * groups + g] = _mm512_reduce_add_ps(sum);
         }
     });
