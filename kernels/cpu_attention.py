@@ -34,10 +34,12 @@ reference), one layer of SmolLM2's heads on an AVX512 EPYC, 2 threads
 (`scripts/attention_speed.py`, 2026-12-04): a bfloat16 cache 512 queries over 512 keys 1.33 ms
 against 5.25 (3.95x), 512 over 1,024 3.34 against 12.2, 32 over 2,000 0.50 against 1.46, 2,048
 over 2,048 17.5 against 43.4 (2.47x); float32, int8 and int4 caches 1.48-3.23x (rows converted
-to float32, no pairs). On a CPU with AMX a bfloat16 model's chunks still run SDPA, in
-bfloat16 on the tile unit, as measured there before this kernel: on a 2-core Xeon 512 queries
-over 512 keys took 0.95 ms per layer against 2.65 in float32 SDPA, 512 over 1,024 2.4 against
-5.9, 32 over 2,000 0.49 against 0.87 (the C++ kernel not yet measured there).
+to float32, no pairs). On a 2-core Xeon with AMX, torch's SDPA in bfloat16 multiplies on the
+tile unit and is faster on long chunks (2026-12-05, the same heads: 512 over 512 1.58 ms against
+the kernel's 2.76, 2,048 over 2,048 11.7 against 36.2, 16 over 16 0.06 against 0.03), but its
+bits depend on where the chunk was cut, so prefill chunks run this kernel there too: a bfloat16
+SmolLM2's prefill of 64 prompts of ~200 tokens took 1.05x, 32 requests served whole 0.99x, of
+their time with chunks sent to SDPA.
 
 The kernel is `torch.ops.qrun.paged_attention`, part of the C++ library `kernels/cpu_library.py`
 builds (a compiled decode layer keeps it as one call); where it cannot be built the kernel table
@@ -48,8 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from qrun.kernels import cpu_library
-from qrun.kernels.paged_attention import paged_attention_ref, prefill_attention_ref
+from qrun.kernels.paged_attention import paged_attention_ref
 
 _FLOAT_KINDS = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in cpu_attention.cpp; others run the torch reference
@@ -62,12 +63,6 @@ def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tensors = [t for t in (k_cache, v_cache, k_scales, v_scales) if t is not None]
     kind_known = k_cache.dtype in _FLOAT_KINDS if k_scales is None else k_cache.dtype in (torch.int8, torch.uint8)
     return q.shape[-1] in HEAD_DIMS and kind_known and all(t.is_contiguous() for t in tensors)
-
-
-def _prefill_dtype(q: torch.Tensor) -> torch.dtype | None:
-    """bfloat16 for a bfloat16 model's prefill chunks on CPUs with AMX (torch's SDPA on the tile
-    unit); None: the C++ kernel's."""
-    return torch.bfloat16 if q.dtype == torch.bfloat16 and cpu_library.has_amx() else None
 
 
 def paged_attention_cpu(
@@ -84,18 +79,12 @@ def paged_attention_cpu(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_ref`'s signature and result through the C++ kernel (a bfloat16 model's
-    prefill chunks on AMX through the reference's SDPA in bfloat16); all through the reference
+    """`paged_attention_ref`'s signature and result through the C++ kernel; through the reference
     where a gradient is wanted."""
     # the converter differentiates through the layers: the kernel has no backward
     if not _kernel_takes(q, k_cache, v_cache, k_scales, v_scales) or (torch.is_grad_enabled() and q.requires_grad):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                    max_seq_len, scale, out, k_scales, v_scales)
-    prefill_dtype = _prefill_dtype(q)
     attended = torch.ops.qrun.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              k_scales, v_scales, prefill_dtype is None)
-    out = attended.to(q.dtype) if out is None else out.copy_(attended)
-    if max_query_len > 1 and prefill_dtype is not None:
-        prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                              k_scales, v_scales, prefill_dtype)
-    return out
+                                              k_scales, v_scales)
+    return attended.to(q.dtype) if out is None else out.copy_(attended)

@@ -38,7 +38,7 @@ int kv_kind(const at::Tensor& cache, bool quantized) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scales,
-                           const std::optional<at::Tensor>& v_scales, bool prefill_chunks) {
+                           const std::optional<at::Tensor>& v_scales) {
     TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [tokens, heads, head_dim], got ", q.sizes());
     const at::Tensor queries = q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty_like(queries);
@@ -46,13 +46,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     qrun_ops::paged_attention_into(queries.view({q.size(0), -1}), q.size(1), q.size(2), k_cache, v_cache,
                                    block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
                                    query_start_loc.to(at::kInt).contiguous(), scale, k_scales, v_scales,
-                                   prefill_chunks, flat);
+                                   /*prefill_chunks=*/true, flat);
     return out;
 }
 
 at::Tensor paged_attention_shape(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
-                                 const std::optional<at::Tensor>&, bool) {
+                                 const std::optional<at::Tensor>&) {
     return at::empty_symint(q.sym_sizes(), q.options().dtype(at::kFloat));
 }
 
@@ -557,7 +557,7 @@ void paged_attention_into(const at::Tensor& queries, int64_t heads, int64_t dim,
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-          "Tensor query_start_loc, float scale, Tensor? k_scales, Tensor? v_scales, bool prefill_chunks) -> Tensor");
+          "Tensor query_start_loc, float scale, Tensor? k_scales, Tensor? v_scales) -> Tensor");
     m.def("dequantize_int4pack(Tensor packed, Tensor scale_zero, int group, Tensor(a!) out, bool accumulate) -> ()");
     m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor centers, int group, "
           "SymInt out_features, Tensor? high_codes, Tensor? high_scales, Tensor? high_zeros, Tensor? high_centers, "

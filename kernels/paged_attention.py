@@ -525,12 +525,10 @@ def prefill_attention_ref(
     out: torch.Tensor,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
 ) -> None:
     """`paged_attention_ref` for the rows of sequences with more than one query (prefill
-    chunks), one SDPA per chunk in `dtype` (None: `paged_attention_ref`'s), written into `out`;
-    decode rows are left as they are."""
-    dtype = dtype or _compute_dtype(queries, k_cache)
+    chunks), one SDPA per chunk, written into `out`; decode rows are left as they are."""
+    dtype = _compute_dtype(queries, k_cache)
     queries = cast(queries, dtype)
     for chunk in _attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1]).prefills:
         k = _context(k_cache, k_scales, chunk.blocks, 1, chunk.length, dtype)

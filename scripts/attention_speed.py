@@ -16,6 +16,7 @@ import time
 import torch
 
 from qrun.kernels import cpu_library
+from qrun.kernels.cpu_attention import paged_attention_cpu
 from qrun.kernels.kv_quant import kv_group_size, quantize_kv_ref
 from qrun.kernels.paged_attention import paged_attention_ref
 
@@ -37,13 +38,6 @@ def step(cache: str, queries: int, keys: int, heads: int, kv_heads: int, dim: in
     q = torch.randn(queries, heads, dim, generator=g).to(dtype)
     return (q, k_cache, v_cache, table, torch.tensor([keys], dtype=torch.int32),
             torch.tensor([0, queries], dtype=torch.int32), queries, keys, dim ** -0.5, None, k_scales, v_scales)
-
-
-def kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, out,
-           k_scales, v_scales) -> torch.Tensor:
-    """The C++ kernel on every row, prefill chunks included (also where the AMX rule sends them to SDPA)."""
-    return torch.ops.qrun.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                          k_scales, v_scales, True)
 
 
 def median_seconds(run, args: tuple, repeats: int) -> float:
@@ -78,11 +72,11 @@ def main() -> None:
             arguments = step(cache, queries, keys, args.heads, args.kv_heads, args.head_dim, args.block_size)
             times: dict[str, list[float]] = {"reference": [], "kernel": []}
             with torch.inference_mode():
-                for run in (paged_attention_ref, kernel):  # warm-up
+                for run in (paged_attention_ref, paged_attention_cpu):  # warm-up
                     run(*arguments)
                 for _ in range(3):  # rounds, interleaved
                     times["reference"].append(median_seconds(paged_attention_ref, arguments, args.repeats))
-                    times["kernel"].append(median_seconds(kernel, arguments, args.repeats))
+                    times["kernel"].append(median_seconds(paged_attention_cpu, arguments, args.repeats))
             reference, ours = (statistics.median(v) * 1e3 for v in times.values())
             print(f"| {cache} | {case} | {reference:.2f} | {ours:.2f} | {reference / ours:.2f}x |")
 
