@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from qrun import LLM
 from qrun.bench import BenchRequest, run_qrun
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_qrun_computes_no_padding_and_allocates_only_live_blocks(tiny_llama_dir):
@@ -66,3 +69,20 @@ def test_a_run_whose_read_bandwidth_swings_is_flagged_as_not_quiet():
     assert unquiet_warning([49.4e9]) is None  # one reading says nothing about a spread
     warning = unquiet_warning([49.4e9, 33.5e9, 28.6e9])
     assert warning and "28.6-49.4 GB/s" in warning and "not quiet" in warning
+
+
+def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
+    """A step whose bytes fit the last-level cache reads them faster than memory gives: its roofline is the rate
+    measured over that many bytes, not over a buffer past the caches."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
+    bench_serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_serving)
+    summary = [{"system": "small", "single_stream_tok_s": 210.0}, {"system": "large", "single_stream_tok_s": 49.0}]
+    table = bench_serving.roofline_table(summary, {"small": 100e6, "large": 300e6},
+                                         {"small": [40e9, 42e9], "large": [20e9, 21e9]}, [20e9, 21e9])
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[3:]}
+    assert rows["small"][1:] == ["100.0", "42.0", "420.0", "210.0", "50%"]
+    assert rows["large"][1:] == ["300.0", "21.0", "70.0", "49.0", "70%"]
+    assert "past the caches 21.0 GB/s" in table
