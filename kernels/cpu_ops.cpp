@@ -362,6 +362,17 @@ at::Tensor first_max(const at::Tensor& rows) {
     return out;
 }
 
+// x's float32 sum, each thread reading its share in `streams` runs side by side (kernels/cpu_read.cpp).
+at::Tensor read_sum(const at::Tensor& x, int64_t streams) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "read_sum: x must be contiguous float32, got ",
+                x.scalar_type());
+    TORCH_CHECK(streams == 1 || streams == 2 || streams == 4 || streams == 8, "read_sum: streams must be 1, 2, 4 or 8, "
+                "got ", streams);
+    at::Tensor sum = at::empty({}, x.options().dtype(at::kDouble));
+    *sum.data_ptr<double>() = qrun_read_sum(x.data_ptr<float>(), x.numel(), int(streams), at::get_num_threads());
+    return sum;
+}
+
 at::Tensor first_max_shape(const at::Tensor& rows) {
     return at::empty_symint({rows.sym_size(0)}, rows.options().dtype(at::kLong));
 }
@@ -575,6 +586,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
     m.def("first_max(Tensor rows) -> Tensor");
+    m.def("read_sum(Tensor x, int streams) -> Tensor");
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -594,6 +606,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("gather_columns", &gather_columns);
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("first_max", &first_max);
+    m.impl("read_sum", &read_sum);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
     m.impl("add_rms_norm", &add_rms_norm);

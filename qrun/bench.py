@@ -214,18 +214,25 @@ def decode_step_bytes(model, context: int, cache: "KVCacheSpec") -> int:
 
 
 def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """The machine's read bandwidth in bytes/s: the best of `repeats` sums over one buffer of `size_bytes`, on
-    torch's threads. The default is far larger than the caches: memory's rate. A decode step's own bytes, read again
-    and again as steps read them, give that step's bound, which is higher where they fit the last-level cache (a
-    2-core Xeon VM with 300 MB of L3 read 95 MB at ~42 GB/s and 1 GB at 21-27)."""
+    """The machine's read bandwidth in bytes/s: the best of `repeats` sums over one buffer of `size_bytes` on torch's
+    threads, each thread reading its share in 1, 2, 4 or 8 runs side by side (`kernels/cpu_read.cpp`, as the decode
+    kernels read weights; torch's sum, one run per thread, where the C++ kernels are not built: on a 2-core Xeon VM it
+    read 273 MB at ~30 GB/s, the probe at ~50). The default is far larger than the caches: memory's rate. A decode
+    step's own bytes, read again and again as steps read them, give that step's bound, which is higher where they fit
+    the last-level cache (the same Xeon, 300 MB of L3: 95 MB at ~60 GB/s, 1 GB at ~36)."""
     import torch
 
+    from qrun.kernels import cpu_library
+
     buffer = torch.ones(max(1, size_bytes // 4), dtype=torch.float32)
+    reads = ([lambda streams=streams: torch.ops.qrun.read_sum(buffer, streams) for streams in (1, 2, 4, 8)]
+             if cpu_library.available() else [buffer.sum])
     best = math.inf
-    for _ in range(repeats + 1):  # the first pass also faults the pages in
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
+    for read in reads:
+        for _ in range(repeats + 1):  # the first pass also faults the pages in
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
     return buffer.numel() * 4 / best
 
 

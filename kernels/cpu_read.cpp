@@ -1,0 +1,61 @@
+// The float32 sum of a buffer, read as this library's kernels read weights: each thread's share in `streams` runs
+// side by side, fetched ahead into L1 and L2 as cpu_quant_matmul.cpp's prefetch_ahead fetches. It measures how fast
+// this machine reads a decode step's bytes, for the serving benchmark's roofline (qrun/bench.py's
+// measure_read_bandwidth): torch's sum reads one run per thread, and on a 2-core Xeon VM read 273 MB at ~30 GB/s
+// where the dense model's decode step, four runs per thread, read its 273 MB at ~39.
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+constexpr int64_t PREFETCH_FLOATS = 256, PREFETCH_L2_FLOATS = 2048;  // 1 KiB and 8 KiB ahead, as the kernels fetch
+
+// The sum of [first, last) of x in STREAMS equal runs read side by side, 16 floats at a time, the rest after.
+template <int STREAMS>
+double sum_side_by_side(const float* x, int64_t first, int64_t last) {
+    double total = 0.0;
+    int64_t done = first;
+#if defined(__AVX512F__)
+    const int64_t run = (last - first) / STREAMS / 64 * 64;  // whole groups of four vectors
+    __m512 sums[STREAMS][4];
+    for (int s = 0; s < STREAMS; s++)
+        for (int v = 0; v < 4; v++) sums[s][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < run; i += 64)
+        for (int s = 0; s < STREAMS; s++) {
+            const float* at = x + first + s * run + i;
+            for (int v = 0; v < 4; v++) {
+                _mm_prefetch(reinterpret_cast<const char*>(at + 16 * v + PREFETCH_FLOATS), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(at + 16 * v + PREFETCH_L2_FLOATS), _MM_HINT_T1);
+                sums[s][v] = _mm512_add_ps(sums[s][v], _mm512_loadu_ps(at + 16 * v));
+            }
+        }
+    for (int s = 0; s < STREAMS; s++)
+        for (int v = 0; v < 4; v++) total += _mm512_reduce_add_ps(sums[s][v]);
+    done = first + STREAMS * run;
+#endif
+    float rest = 0.f;
+    for (int64_t i = done; i < last; i++) rest += x[i];
+    return total + rest;
+}
+
+}  // namespace
+
+// x[0 .. n)'s sum, each of `threads` threads reading its share in `streams` (1, 2, 4 or 8) runs side by side.
+extern "C" double qrun_read_sum(const float* x, int64_t n, int streams, int threads) {
+    std::vector<double> parts(std::max(threads, 1), 0.0);
+    qrun_parallel(threads, [&](int64_t part, int64_t count) {
+        const int64_t first = n * part / count, last = n * (part + 1) / count;
+        switch (streams) {
+            case 1: parts[part] = sum_side_by_side<1>(x, first, last); break;
+            case 2: parts[part] = sum_side_by_side<2>(x, first, last); break;
+            case 4: parts[part] = sum_side_by_side<4>(x, first, last); break;
+            default: parts[part] = sum_side_by_side<8>(x, first, last); break;
+        }
+    });
+    double total = 0.0;
+    for (double p : parts) total += p;
+    return total;
+}
