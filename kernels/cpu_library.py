@@ -2,9 +2,10 @@
 
 The kernels (cpu_activation.cpp, cpu_argmax.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
 cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotary.cpp, cpu_rotation.cpp, and
-cpu_read.cpp, the benchmark's read-bandwidth probe) are plain C++; cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and Meta implementations), so eager code
-reaches them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes call it replaces took
-~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps each as one call.
+cpu_read.cpp, the benchmark's read-bandwidth probe) are plain C++; cpu_ops.cpp registers them as `torch.ops.qrun.*`
+(schema, CPU and, for the model's, Meta implementations), so eager code reaches them with one dispatch (~1.5 us
+for an empty op; the Python op around a ctypes call it replaces took ~10 us, and a decode step makes ~150 such calls)
+and a compiled graph keeps each as one call.
 cpu_decode_layer.cpp is a decoder layer's decode step as one object calling them
 (`torch.classes.qrun.DecodeLayer`), and a model's whole decode step, embedding to logits, as another
 (`DecodeStack`: qrun/cpu_decode.py). Built with the
