@@ -17,6 +17,12 @@ from qrun.bench import BenchRequest, load_workload
 from qrun.sampling_params import SamplingParams
 
 
+# The profiler labels' namespace: not `qrun::`, the C++ kernels' ops (torch.ops.qrun.*), which are torch ops to count.
+LABEL = "step::"
+# Linears besides nn.Linear: the mixed-bit layer and the CPU path's products (qrun/quant.py, qrun/cpu_linear.py).
+LINEARS = ("QuantLinear", "CpuDenseLinear", "CpuQuantMatmul")
+
+
 class LabelledOps:
     """Stands in for a model's kernel-ops object, labelling attention calls for the profiler."""
 
@@ -47,24 +53,27 @@ def labelled_model(engine) -> Iterator[None]:
     active: dict[int, Any] = {}
 
     def pre(module, args):
-        rf = torch.profiler.record_function("qrun::matmul")
+        rf = torch.profiler.record_function(LABEL + "matmul")
         rf.__enter__()
         active.setdefault(id(module), []).append(rf)
 
     def post(module, args, output):
         active[id(module)].pop().__exit__(None, None, None)
 
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "QuantLinear":
+    labelled: list[str] = []  # linears labelled so far: one inside another (a CPU product in its QuantLinear) is not
+    for name, module in model.named_modules():
+        if ((isinstance(module, torch.nn.Linear) or type(module).__name__ in LINEARS)
+                and not any(name.startswith(outer + ".") for outer in labelled)):
+            labelled.append(name)
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post))
         if hasattr(module, "ops") and type(module).__name__ == "Attention":
             patched.append((module, module.ops))
-            module.ops = LabelledOps(module.ops, "qrun::attention")
+            module.ops = LabelledOps(module.ops, LABEL + "attention")
     original_sample = llm_engine.sample
 
     def sample(*args, **kwargs):
-        with torch.profiler.record_function("qrun::sample"):
+        with torch.profiler.record_function(LABEL + "sample"):
             return original_sample(*args, **kwargs)
     llm_engine.sample = sample
     try:
@@ -111,12 +120,12 @@ def profile_qrun(llm, requests: Sequence[BenchRequest], *, steps: int = 8, skip_
         for request_id in ids:
             engine.abort(request_id)
     events = prof.key_averages()
-    labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith("qrun::")}
-    ops = [e for e in events if not e.key.startswith("qrun::") and not e.key.startswith("ProfilerStep")]
+    labels = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith(LABEL)}
+    ops = [e for e in events if not e.key.startswith(LABEL) and not e.key.startswith("ProfilerStep")]
     in_torch = sum(e.self_cpu_time_total for e in ops) / 1e6
-    matmul, attention, sampling = (labels.get(k, 0.0) for k in ("qrun::matmul", "qrun::attention", "qrun::sample"))
+    matmul, attention, sampling = (labels.get(LABEL + k, 0.0) for k in ("matmul", "attention", "sample"))
     # Torch ops under a label = the label's inclusive time minus its own (Python glue) time.
-    under_labels = sum(e.cpu_time_total - e.self_cpu_time_total for e in events if e.key.startswith("qrun::")) / 1e6
+    under_labels = sum(e.cpu_time_total - e.self_cpu_time_total for e in events if e.key.startswith(LABEL)) / 1e6
     other_torch = max(0.0, in_torch - under_labels)
     top_ops = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {

@@ -86,3 +86,19 @@ def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
     assert rows["small"][1:] == ["100.0", "42.0", "420.0", "210.0", "50%"]
     assert rows["large"][1:] == ["300.0", "21.0", "70.0", "49.0", "70%"]
     assert "past the caches 21.0 GB/s" in table
+
+
+def test_a_prefill_profile_labels_the_cpu_products_and_counts_the_librarys_ops_as_torch_ops(tiny_llama_dir):
+    """The CPU path's linears are not nn.Linear, and the C++ kernels' ops share the `qrun::` namespace: the profile
+    once labelled no matmul time and counted the kernels as Python overhead."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_steps", ROOT / "scripts" / "profile_steps.py")
+    profile_steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_steps)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=4_000_000, max_num_batched_tokens=64)
+    requests = [BenchRequest(str(i), "word " * 60, 4) for i in range(4)]
+    profile = profile_steps.profile_qrun(llm, requests, steps=2, skip_steps=0)
+    assert profile["matmul_s"] > 0 and profile["attention_s"] > 0
+    ops = {op["op"] for op in profile["top_ops"]}
+    assert ops & {"qrun::paged_attention", "qrun::half_gemv", "qrun::add_rms_norm", "qrun::silu_and_mul"}
