@@ -289,7 +289,7 @@ class LLMEngine:
             self._observe(batch, prefill_tokens)
         return self._outputs({seq.request_id for seq in batch.seqs}, finished_only)
 
-    def _outputs(self, request_ids: set[str], finished_only: bool = False) -> list[RequestOutput]:
+    def _outputs(self, request_ids: set[str], finished_only: bool) -> list[RequestOutput]:
         """The current outputs of these requests (finished_only: of the finished ones); finished
         ones are forgotten once reported."""
         outputs = []
