@@ -70,7 +70,7 @@ from qrun.kernels import cpu_int4, cpu_library
 from qrun.kernels.read_streams import DEFAULT_READ_STREAMS
 
 TILE_N, BLOCK_K = 16, 32
-TILE_ROWS, TILED_DEQUANTIZE_ROWS = 8, 1024  # tile_rows(), dequantize_rows()
+TILE_ROWS, TILED_DEQUANTIZE_ROWS = 16, 1024  # tile_rows(), dequantize_rows()
 
 
 @functools.cache
@@ -138,11 +138,14 @@ def quant_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 @functools.cache
 def tile_rows() -> int:
     """From how many rows of bfloat16 inputs `quant_matmul` runs the AMX kernel (0: never; it needs
-    AMX-BF16 and the OS's consent). On a 2-core Xeon with AMX (SmolLM2's shapes, microbenchmark):
-    3072 x 576 in groups of 96 took 22 / 44 us at 1 row (VNNI / AMX), 45 / 53 at 4, 75 / 71 at 8,
-    126 / 90 at 16 and 230 / 149 at 32 (49152 x 576: 695 / 838 us at 4 rows, 915 / 853 at 8);
-    fewer rows stay on the VNNI kernel, which reads the codes once and multiplies them with fewer
-    instructions."""
+    AMX-BF16 and the OS's consent); fewer rows stay on the VNNI kernel, which reads the codes once
+    and multiplies them with fewer instructions. One matrix alone favours the tiles early (2-core
+    Xeon with AMX, 3072 x 576 in groups of 96: 22 / 44 us at 1 row, VNNI / AMX, 75 / 71 at 8, 126 /
+    90 at 16), but a whole model's products, each weight read from memory once, do not: SmolLM2's
+    120 4.0-bpw layer linears took 5.5 / 6.9 ms at 8 rows, 6.7 / 7.3 at 12, 8.7 / 8.1 at 16 (its
+    6-bit head 1.6 / 1.5 at 8), and a 4.0-bpw decode step at batch 8 and 12 (context 300, the C++
+    step, policies alternating) 13.4 / 16.4 and 17.6 / 21.8 ms with the tiles from 16 rows against 8,
+    the same from 16 rows on."""
     return TILE_ROWS if cpu_library.available() and torch.ops.qrun.quant_matmul_tiles_available() else 0
 
 
