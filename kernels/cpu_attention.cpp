@@ -313,7 +313,7 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
     // KV heads, cold caches, a 2-core EPYC: 200 tokens 28-30 -> 19 us, 400 tokens 39-57 -> 27-48). With more chunks
     // than threads the burst only queues behind the hardware's own fetches of the chunk before (30 layers' cold
     // caches, a 2-core Xeon, variants alternating in one process: 1 row of 1,000 tokens, 4 of 300, 32 of 300 and 16
-    // of 150 1.03-1.06x faster without it; 1 row of 100 and of 300, one chunk a thread, 0.82-0.85x).
+    // of 150 1.03-1.07x faster without it; 1 row of 100 and of 300, one chunk a thread, 0.82-0.85x).
     for (int64_t t = 0; t < length && fetch_up_front; t++) {
         prefetch_rows<kind, dim, 2>(step.k_cache, slot_of(t) * kv_heads, kv_heads, step.k_scales);
         prefetch_rows<kind, dim, 2>(step.v_cache, slot_of(t) * kv_heads, kv_heads, step.v_scales);
