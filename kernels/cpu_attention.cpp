@@ -402,6 +402,7 @@ void decode_attention(const Step& step) {
     // the chunks taken one at a time by the threads that attend (the chunks of a long sequence and a short one differ),
     // each thread with query and score buffers it keeps
     std::atomic<int64_t> next_chunk{0};
+    const bool fetch_up_front = chunks <= step.threads;  // one chunk a thread (attend_chunk says why)
     const auto attend = [&](int, int) {
         thread_local std::vector<float> queries, scores;
         queries.resize(heads * dim);
@@ -414,7 +415,7 @@ void decode_attention(const Step& step) {
             for (int64_t i = 0; i < heads * dim; i++) queries[i] = q[i] * step.scale;
             attend_chunk<kind, dim>(step, queries.data(), step.block_tables + seq * step.table_width, begin,
                                     std::min<int64_t>(begin + tokens, step.seq_lens[seq]), scores.data(),
-                                    partial_of(chunk), chunks <= step.threads);
+                                    partial_of(chunk), fetch_up_front);
         }
     };
     // one chunk (a short context at batch 1) on the calling thread, without a region (qrun_parallel_for says why)
