@@ -137,6 +137,18 @@ class QrunTeam {
     int parts_ = 0, size_ = 1;
 };
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux hands out the AMX tile registers' state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asking twice is harmless. Whether this process may use the tiles.
+inline bool qrun_tiles_permitted() {
+    static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+#endif
+
 // body(part, parts) run by `threads` threads, each taking its share by its part: on the held team (QrunTeam), else in
 // an OpenMP region; at one thread (the engine's count while another process holds a core) by the caller alone,
 // outside any region. A one-thread region costs libgomp a team: a 576 x 576 4-bit product at one row took 4.3 us in

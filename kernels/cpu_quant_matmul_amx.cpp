@@ -19,8 +19,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define QRUN_HAS_AMX 1
 #endif
 
@@ -29,13 +27,6 @@ namespace {
 
 constexpr int64_t TILE_N = 16, BLOCK_K = 32, TILE_ROWS = 16;
 constexpr int64_t BLOCK_BYTES = BLOCK_K * TILE_N * 2;  // one block of a channel tile as bfloat16 pairs (a B tile)
-
-// Linux hands out the tile registers' state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); asking twice is harmless.
-bool tiles_permitted() {
-    static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return permitted;
-}
 
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -329,7 +320,7 @@ void multiply_dequantized_pairs(const Problem& p, const Plane& low, const Plane*
 // 1 where this build has the kernel and the OS lets this process use the tiles.
 extern "C" int qrun_quant_matmul_tiles_available() {
 #ifdef QRUN_HAS_AMX
-    return tiles_permitted() ? 1 : 0;
+    return qrun_tiles_permitted() ? 1 : 0;
 #else
     return 0;
 #endif
@@ -350,7 +341,7 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)) ||
         (y_bfloat16 && !dequantize_weights))
         return 1;
-    if (!tiles_permitted()) return 2;
+    if (!qrun_tiles_permitted()) return 2;
     const int64_t groups = k / group;
     std::vector<float> group_sums(dequantize_weights ? 0 : rows * groups);
     for (int64_t m = 0; m < rows && !dequantize_weights; m++)
