@@ -447,10 +447,10 @@ void decode_attention(const Step& step) {
 // heads of one KV head) rather than 16 tokens, and every score, softmax step and weighted sum is a lanewise FMA with
 // a key's or value's element broadcast; no horizontal sums and no transposes of the cache (only of the queries, once
 // per item). A work item is up to item_lane_groups() x 16 query vectors: rows_per_item rows of one chunk, one KV
-// head. Keys pass KEYS at a time from the sequence's first, each read once per item (a tile: FloatTile, BfloatTile);
-// each query vector's softmax is online over them (flash attention). So a query's result depends on its position and
-// the cache alone, never on how its prompt was cut into chunks or items: chunked prefill attends exactly as a whole
-// prompt does.
+// head. Keys pass KEYS at a time from the sequence's first, each read once per item (a tile: FloatTile, BfloatTile,
+// AmxTile); each query vector's softmax is online over them (flash attention). So a query's result depends on its
+// position and the cache alone, never on how its prompt was cut into chunks or items: chunked prefill attends exactly
+// as a whole prompt does.
 constexpr int64_t KEYS = 16;
 
 template <int64_t dim>
@@ -472,14 +472,24 @@ struct PrefillItem {
     int64_t seq, kv_head, first_row, rows;
 };
 
+// Each query vector's weighted sum of values so far, its elements as lanes (sums[d], lane j: query vector j).
+template <int64_t dim>
+struct LaneSums : std::array<Floats, dim> {
+    void clear() { this->fill(Floats{}); }
+    float element(int64_t lane, int64_t d) const { return (*this)[d][lane]; }
+};
+
 // A tile of KEYS keys and values as the float path multiplies them: rows converted to floats once per item, their
 // elements broadcast against query vectors in lanes (queries: [dim] vectors, lane j = query vector j).
 template <int kind, int64_t dim>
 struct FloatTile {
     using Queries = const Floats*;
+    using Sums = LaneSums<dim>;
     alignas(64) Floats keys[KEYS][dim / LANES], values[KEYS][dim / LANES];
 
     static Queries prepare(const Floats* queries) { return queries; }
+    static void begin() {}
+    static void end() {}
 
     // rows[t]: the cache row of key t (count of them; the rest pad as zeros)
     void load(const Step& step, const int64_t* rows, int64_t count) {
@@ -504,7 +514,7 @@ struct FloatTile {
     }
 
     // sums[d] = sums[d] * rescale + sum over t < here of weights[t] * value t's element d
-    void accumulate(const Floats* weights, int64_t here, Floats rescale, Floats* sums) const {
+    void accumulate(const Floats* weights, int64_t here, Floats rescale, Sums& sums) const {
         const float* value_values = reinterpret_cast<const float*>(values);
         for (int64_t d0 = 0; d0 < dim; d0 += LANES) {
             Floats acc[LANES];
@@ -525,6 +535,7 @@ struct FloatTile {
 template <int64_t dim>
 struct BfloatTile {
     using Queries = std::array<__m512bh, dim / 2>;  // lane j: query vector j's elements 2p, 2p + 1
+    using Sums = LaneSums<dim>;
     const uint32_t* keys[KEYS];  // each key's row: dim / 2 pairs
     alignas(64) uint32_t value_pairs[KEYS / 2][dim];  // [t / 2][d]: value t's element d, value t + 1's above it
     alignas(64) uint16_t zeros[dim] = {};
@@ -536,6 +547,9 @@ struct BfloatTile {
                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         return __m512bh(_mm512_permutexvar_epi16(order, both));
     }
+
+    static void begin() {}
+    static void end() {}
 
     static Queries prepare(const Floats* queries) {
         Queries prepared;
@@ -574,7 +588,7 @@ struct BfloatTile {
     }
 
     // FloatTile::accumulate's, in pairs of tokens
-    void accumulate(const Floats* weights, int64_t here, Floats rescale, Floats* sums) const {
+    void accumulate(const Floats* weights, int64_t here, Floats rescale, Sums& sums) const {
         __m512bh weight_pairs[KEYS / 2];
         for (int64_t t = 0; t < here; t += 2) {  // an odd last weight pairs with a zero weight
             const __m512 next = t + 1 < here ? __m512(weights[t + 1]) : _mm512_setzero_ps();
@@ -593,20 +607,131 @@ struct BfloatTile {
 };
 #endif
 
-// The tile a kind multiplies with on this CPU (the bfloat16 tile interleaves values 32 elements at a time).
-#if defined(__AVX512BF16__)
-template <int kind, int64_t dim>
-using PrefillTile = std::conditional_t<kind == BF16 && dim % 32 == 0, BfloatTile<dim>, FloatTile<kind, dim>>;
-#else
-template <int kind, int64_t dim>
-using PrefillTile = FloatTile<kind, dim>;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QRUN_ATTENTION_AMX 1
+
+// v[c] = column c of the 16 x 16 dwords whose row r is v[r].
+inline void transpose16(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // v[i + j], 128-bit lane L: column 4L + j of rows i .. i + 3
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0xEE);
+        const __m512i x2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0x44);
+        const __m512i x3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0xEE);
+        t[j] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        t[8 + j] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+    std::copy_n(t, 16, v);
+}
+
+// Each query vector's weighted sum of values so far as a row of its own, as the tile unit's sums come out.
+template <int64_t dim>
+struct RowSums {
+    alignas(64) float rows[LANES][dim];
+
+    void clear() { std::fill_n(&rows[0][0], LANES * dim, 0.f); }
+    float element(int64_t lane, int64_t d) const { return rows[lane][d]; }
+};
+
+// BfloatTile's products on the AMX tile unit (tdpbf16ps), with its roundings (queries and softmax weights in
+// bfloat16, every sum in float32): the scores of KEYS keys against 16 query vectors come out a key a row, as the lanes
+// want them (keys x queries, one product per 32 elements of head_dim, the keys read where they lie where a tile's
+// keys are one block's); the weighted values (queries x elements, one product per 16 elements) are summed into the
+// query vectors' rows (RowSums), rescaled in memory between tiles where the maximum moved.
+template <int64_t dim>
+struct AmxTile {
+    using Queries = typename BfloatTile<dim>::Queries;  // pairs of elements a row: the scores' second operand
+    using Sums = RowSums<dim>;
+    static_assert(dim % 32 == 0 && KEYS == 16, "tiles of 16 keys, head_dim in 32-element blocks");
+
+    BfloatTile<dim> loaded;  // the tile's key rows where they lie, its values in pairs of tokens
+    const uint16_t* keys;  // key t's row at keys + t * key_stride elements: the scores' first operand
+    int64_t key_stride;
+    alignas(64) uint16_t copied_keys[KEYS][dim];  // where the tile's keys are not evenly spaced in the cache
+
+    // Tiles: 0 the scores (keys x queries, float32), 1 keys (x 32 elements), 2 queries' pairs; 3 sums (queries x 16
+    // elements, float32), 4 weights (queries x keys, bfloat16), 5 values' pairs of tokens (x 16 elements).
+    static void begin() {
+        struct alignas(64) {
+            uint8_t palette = 1, start_row = 0, reserved[14] = {};
+            uint16_t bytes_per_row[16] = {64, 64, 64, 64, 32, 64};
+            uint8_t rows[16] = {16, 16, 16, 16, 16, 8};
+        } config;
+        _tile_loadconfig(&config);
+    }
+    static void end() { _tile_release(); }
+
+    static Queries prepare(const Floats* queries) { return BfloatTile<dim>::prepare(queries); }
+
+    // FloatTile::load's contract; keys past count read zeros, and so do values
+    void load(const Step& step, const int64_t* rows, int64_t count) {
+        loaded.load(step, rows, count);
+        const auto row = [&](int64_t t) { return reinterpret_cast<const uint16_t*>(loaded.keys[t]); };
+        keys = row(0);
+        key_stride = step.num_kv_heads * dim;
+        bool even = count == KEYS;
+        for (int64_t t = 1; t < KEYS && even; t++) even = row(t) == keys + t * key_stride;
+        if (even) return;
+        for (int64_t t = 0; t < KEYS; t++) std::copy_n(row(t), dim, copied_keys[t]);
+        keys = &copied_keys[0][0];
+        key_stride = dim;
+    }
+
+    // FloatTile::score's: scores[t], lane j = key t . query vector j
+    void score(const Queries& queries, Floats* scores) const {
+        _tile_zero(0);
+        for (int64_t block = 0; block < dim / 32; block++) {
+            _tile_loadd(1, keys + block * 32, key_stride * 2);
+            _tile_loadd(2, &queries[block * 16], 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, scores, 64);
+    }
+
+    // FloatTile::accumulate's, on rows of sums
+    void accumulate(const Floats* weights, int64_t here, Floats rescale, Sums& sums) const {
+        if (_mm512_cmp_ps_mask(__m512(rescale), _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) {
+            alignas(64) float factors[LANES];
+            _mm512_store_ps(factors, __m512(rescale));
+            for (int64_t j = 0; j < LANES; j++)
+                for (int64_t d = 0; d < dim; d += 16)
+                    _mm512_store_ps(sums.rows[j] + d,
+                                    _mm512_mul_ps(_mm512_load_ps(sums.rows[j] + d), _mm512_set1_ps(factors[j])));
+        }
+        __m512i columns[KEYS];  // weights a key a row, then a query a row
+        for (int64_t t = 0; t < KEYS; t++)
+            columns[t] = t < here ? _mm512_castps_si512(__m512(weights[t])) : _mm512_setzero_si512();
+        transpose16(columns);
+        alignas(64) uint16_t weight_rows[LANES][KEYS];
+        for (int64_t j = 0; j < LANES; j += 2)
+            _mm512_store_si512(weight_rows[j], __m512i(_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(columns[j + 1]),
+                                                                          _mm512_castsi512_ps(columns[j]))));
+        _tile_loadd(4, weight_rows, KEYS * 2);
+        for (int64_t d = 0; d < dim; d += 16) {
+            _tile_loadd(3, sums.rows[0] + d, dim * 4);
+            _tile_loadd(5, &loaded.value_pairs[0][d], dim * 4);
+            _tile_dpbf16ps(3, 4, 5);
+            _tile_stored(3, sums.rows[0] + d, dim * 4);
+        }
+    }
+};
 #endif
 
 // One item: queries [lanes groups][dim] (lanes: query vectors j = row * group + head), their positions (-1: no
 // query), into out.
-template <int kind, int64_t dim>
+template <typename Tile, int64_t dim>
 void attend_prefill_item(const Step& step, const PrefillItem& item) {
-    using Tile = PrefillTile<kind, dim>;
     constexpr int64_t groups_most = item_lane_groups<dim>();
     const int64_t heads = step.num_q_heads, kv_heads = step.num_kv_heads, group = heads / kv_heads;
     const int64_t chunk_start = step.query_start_loc[item.seq], length = step.seq_lens[item.seq];
@@ -620,7 +745,8 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
     const auto slot_of = [&](int64_t t) {
         return (int64_t(table[t >> step.block_shift]) << step.block_shift) + (t & block_mask);
     };
-    alignas(64) Floats queries[groups_most][dim], sums[groups_most][dim], weights[KEYS];
+    alignas(64) Floats queries[groups_most][dim], weights[KEYS];
+    typename Tile::Sums sums[groups_most];
     typename Tile::Queries prepared[groups_most];
     Floats positions[groups_most], tops[groups_most], totals[groups_most];
     int64_t last_position[groups_most];
@@ -635,7 +761,7 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
         last_position[g] = first_position + std::min(vectors - 1, (g + 1) * LANES - 1) / group;
         tops[g] = Floats{} - FLT_MAX;
         totals[g] = Floats{};
-        std::fill_n(sums[g], dim, Floats{});
+        sums[g].clear();
     }
     Tile tile;
     const int64_t end = last_position[lane_groups - 1] + 1;
@@ -670,11 +796,22 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
         for (int64_t lane = 0; lane < LANES && g * LANES + lane < vectors; lane++) {
             float* out = step.out + offset_of(g * LANES + lane);
             const float total = totals[g][lane];
-            for (int64_t d = 0; d < dim; d++) out[d] = sums[g][d][lane] / total;
+            for (int64_t d = 0; d < dim; d++) out[d] = sums[g].element(lane, d) / total;
         }
 }
 
 // Every prefill chunk's rows of the step; decode rows are decode_attention's.
+template <typename Tile, int64_t dim>
+void attend_prefill_items(const Step& step, const std::vector<PrefillItem>& items, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        Tile::begin();
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < items.size(); i++) attend_prefill_item<Tile, dim>(step, items[i]);
+        Tile::end();
+    }
+}
+
 template <int kind, int64_t dim>
 void prefill_attention(const Step& step) {
     const int64_t group = step.num_q_heads / step.num_kv_heads;
@@ -697,8 +834,15 @@ void prefill_attention(const Step& step) {
     };
     std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return work(a) > work(b); });
     const int threads = int(std::clamp<int64_t>(int64_t(items.size()), 1, step.threads));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (size_t i = 0; i < items.size(); i++) attend_prefill_item<kind, dim>(step, items[i]);
+#if defined(__AVX512BF16__)
+    if constexpr (kind == BF16 && dim % 32 == 0) {
+#if defined(QRUN_ATTENTION_AMX)
+        if (qrun_tiles_permitted()) return attend_prefill_items<AmxTile<dim>, dim>(step, items, threads);
+#endif
+        return attend_prefill_items<BfloatTile<dim>, dim>(step, items, threads);
+    }
+#endif
+    attend_prefill_items<FloatTile<kind, dim>, dim>(step, items, threads);
 }
 
 template <int kind, int64_t dim>

@@ -34,12 +34,16 @@ reference), one layer of SmolLM2's heads on an AVX512 EPYC, 2 threads
 (`scripts/attention_speed.py`, 2026-12-04): a bfloat16 cache 512 queries over 512 keys 1.33 ms
 against 5.25 (3.95x), 512 over 1,024 3.34 against 12.2, 32 over 2,000 0.50 against 1.46, 2,048
 over 2,048 17.5 against 43.4 (2.47x); float32, int8 and int4 caches 1.48-3.23x (rows converted
-to float32, no pairs). On a 2-core Xeon with AMX, torch's SDPA in bfloat16 multiplies on the
-tile unit and is faster on long chunks (2026-12-05, the same heads: 512 over 512 1.58 ms against
-the kernel's 2.76, 2,048 over 2,048 11.7 against 36.2, 16 over 16 0.06 against 0.03), but its
-bits depend on where the chunk was cut, so prefill chunks run this kernel there too: a bfloat16
-SmolLM2's prefill of 64 prompts of ~200 tokens took 1.05x, 32 requests served whole 0.99x, of
-their time with chunks sent to SDPA.
+to float32, no pairs). On CPUs with AMX a bfloat16 cache's tiles multiply on the tile unit
+(`tdpbf16ps`, the same roundings): 16 keys' scores against 16 query vectors come out a key a row,
+as the lanes' online softmax takes them, and the weighted values are summed into each query
+vector's row of sums, rescaled between key tiles only where a maximum moved. On a 2-core Xeon
+(one layer, 2026-12-05, in one process against the AVX512-BF16 pairs): SmolLM2's heads, 512
+queries over 512 keys 0.83 against 2.27 ms (2.73x), 512 over 2,048 4.67 against 15.2 (3.26x), 64
+over 300 2.43x; 32 query and 8 KV heads of 128, 512 over 1,024 3.18x. torch's SDPA in bfloat16
+also multiplies on the tile unit there (SmolLM2's heads: 512 over 512 1.07-1.09 ms against the
+kernel's 0.94-0.96, 2,048 over 2,048 10.0-10.9 against 11.9-12.7), but its bits depend on where
+the chunk was cut, so prefill chunks run this kernel there too.
 
 The kernel is `torch.ops.qrun.paged_attention`, part of the C++ library `kernels/cpu_library.py`
 builds (a compiled decode layer keeps it as one call); where it cannot be built the kernel table

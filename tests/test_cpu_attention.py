@@ -146,9 +146,38 @@ def test_a_prompts_attention_is_the_same_bits_however_it_is_cut_into_chunks(cach
             assert torch.equal(cpu_attention.paged_attention_cpu(*part), expected[begin:end]), (cut, begin)
 
 
+def scattered(tokens: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [n, kv_heads, dim] as a paged cache of `block_size`-token blocks in random places, and its block table."""
+    n = tokens.shape[0]
+    width = -(-n // block_size)
+    places = torch.randperm(width + 2, generator=torch.Generator().manual_seed(seed))[:width]
+    cache = torch.zeros(width + 2, block_size, *tokens.shape[1:], dtype=tokens.dtype)
+    padded = torch.cat([tokens, tokens.new_zeros(width * block_size - n, *tokens.shape[1:])])
+    cache[places] = padded.view(width, block_size, *tokens.shape[1:])
+    return cache, places.to(torch.int32)[None]
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_a_steps_attention_is_the_same_bits_whatever_the_block_size(cache):
+    """Keys pass in tiles of 16 from the sequence's first, read in place where a tile's keys are one block's (the
+    AMX tile's keys) or gathered where blocks are smaller: the same bits either way, decode row and prefill chunk."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cache]
+    g = torch.Generator().manual_seed(3)
+    length, queries = 83, 40
+    keys, values = (torch.randn(length, 2, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(queries + 1, 6, 64, generator=g).to(dtype)
+    results = []
+    for block_size in (1, 4, 16, 32):
+        (k_cache, table), (v_cache, _) = scattered(keys, block_size, 7), scattered(values, block_size, 7)
+        args = (q, k_cache, v_cache, table.repeat(2, 1), torch.tensor([length, length - 1], dtype=torch.int32),
+                torch.tensor([0, queries, queries + 1], dtype=torch.int32), queries, length, 0.125, None, None, None)
+        results.append(cpu_attention.paged_attention_cpu(*args))
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
 @pytest.mark.parametrize("amx", [True, False])
 def test_a_bfloat16_models_prefill_chunks_run_the_kernel_even_where_sdpa_has_amx(monkeypatch, amx):
-    """torch's SDPA multiplies bfloat16 on AMX's tile unit, faster on long chunks, but its bits depend on where a
+    """torch's SDPA multiplies bfloat16 on AMX's tile unit, as the kernel does there, but its bits depend on where a
     prompt was cut into chunks (cpu_attention.py): every row runs the kernel, whatever the CPU."""
     monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
     seen = []
