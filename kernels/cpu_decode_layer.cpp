@@ -1,5 +1,6 @@
-// A model's decode step (every sequence computes one token) in one call: torch.classes.qrun.DecodeLayer runs one
-// decoder layer, DecodeStack the embedding, every layer in order, the final norm and the head. Built at load from a
+// A model's step in one call (decode rows, and prefill chunks beside them): torch.classes.qrun.DecodeLayer runs one
+// decoder layer, DecodeStack the embedding, every layer in order, the final norm and the head of the rows that
+// sample. Built at load from a
 // qrun.model.Transformer by qrun/cpu_decode.py, which documents why and what it covers.
 // The step is the eager model's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
 // rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
@@ -65,9 +66,11 @@ struct Cache {
     Optional k_scales, v_scales;
 };
 
-// The step's inputs every layer reads, converted once for the stack: positions and slots int64, the rest int32.
+// The step's inputs every layer reads, converted once for the stack: positions and slots int64, the rest int32;
+// whether some sequence has more than one query (a prefill chunk).
 struct StepMeta {
     at::Tensor positions, slot_mapping, block_tables, seq_lens, query_start_loc;
+    bool prefill_chunks;
 };
 
 // The tensors a decode step writes, kept by the stack between steps and shared by its layers, which run in turn. At
@@ -316,7 +319,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         at::Tensor out = workspace.get(Workspace::ATTENTION, queries.size(0), num_heads_ * head_dim_, at::kFloat);
         qrun_ops::paged_attention_into(queries, num_heads_, head_dim_, cache_.k, cache_.v, meta.block_tables,
                                        meta.seq_lens, meta.query_start_loc, scale_, cache_.k_scales, cache_.v_scales,
-                                       /*prefill_chunks=*/false, out);
+                                       meta.prefill_chunks, out);
         return out;
     }
 
@@ -406,8 +409,9 @@ class DecodeLayer : public torch::CustomClassHolder {
         const int64_t* pos = positions.data_ptr<int64_t>();
         const T* rows = qkv.data_ptr<T>();
         const float* table = cos_sin.data_ptr<float>();
-        T rotated[MAX_HEAD_DIM];
-        for (int64_t r = 0; r < qkv.size(0); r++) {
+        // each row's heads apart from the others' (its own cache slots): split where a prefill chunk brings many
+        qrun_parallel_for(qkv.size(0), at::get_num_threads(), qkv.numel() >= (1 << 16), [&](int64_t r) {
+            T rotated[MAX_HEAD_DIM];
             const T* row = rows + r * width;
             const float* cos = table + pos[r] * dim;
             for (int64_t h = 0; h < num_heads_ + num_kv_heads_; h++) {
@@ -417,7 +421,7 @@ class DecodeLayer : public torch::CustomClassHolder {
                 else
                     key(r, h - num_heads_, rotated);
             }
-        }
+        });
     }
 
     // Rotary on q and k; k and v into their cache slots (in the cache's dtype), q (rounded to T) into `queries`.
@@ -490,9 +494,10 @@ class DecodeStack : public torch::CustomClassHolder {
         may_take_half_gemv_ |= head_.may_take_half_gemv();
     }
 
-    // float32 logits [rows, vocab] (a new tensor) of token ids [rows] at their positions, as the eager model's
-    // forward and compute_logits give them, and each row's first maximum (its greedy token, as qrun_first_max finds
-    // it), or -1 where a logit is NaN or infinite: the engine's check of the logits and greedy sampling then need no
+    // float32 logits [sampled rows, vocab] (a new tensor) of the rows `sample_rows` names, in its order, for token
+    // ids [rows] at their positions (decode rows and prefill chunks: query_start_loc), as the eager model's forward
+    // and compute_logits of those rows give them, and each sampled row's first maximum (its greedy token, as
+    // qrun_first_max finds it), or -1 where a logit is NaN or infinite: the engine's check of the logits and greedy sampling then need no
     // pass of their own, each a torch op of ~0.1-0.2 ms at batch 1 once the step has left the caches cold. The step's
     // layout comes as qrun/model.py's StepLayout holds it, lists (block_tables flat, rows of table_width): tensors
     // made from them in Python cost ~0.1 ms a step at batch 1, for the same reason. half_gemv: dense linears may take
@@ -502,7 +507,8 @@ class DecodeStack : public torch::CustomClassHolder {
     std::tuple<at::Tensor, std::vector<int64_t>> forward(
         const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
         const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables, int64_t table_width,
-        const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& query_start_loc, bool half_gemv) {
+        const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& query_start_loc,
+        const std::vector<int64_t>& sample_rows, bool half_gemv) {
         TORCH_CHECK(head_.kind >= 0, "DecodeStack: set_head first");
         const size_t rows = ids.size(), seqs = seq_lens.size();
         TORCH_CHECK(rows > 0 && positions.size() == rows && slot_mapping.size() == rows &&
@@ -510,16 +516,21 @@ class DecodeStack : public torch::CustomClassHolder {
                         block_tables.size() == seqs * size_t(table_width),
                     "DecodeStack.forward: ids, positions and slot_mapping need one value a row, query_start_loc "
                     "one more than seq_lens, block_tables table_width a sequence");
+        bool prefill_chunks = false;
+        for (size_t i = 0; i < seqs; i++) prefill_chunks |= query_start_loc[i + 1] - query_start_loc[i] > 1;
+        for (const int64_t row : sample_rows)
+            TORCH_CHECK(row >= 0 && row < int64_t(rows), "DecodeStack.forward: sample row ", row, " is not one of the ",
+                        rows, " rows");
         const StepMeta meta{tensor_of(positions, {int64_t(rows)}, at::kLong),
                             tensor_of(slot_mapping, {int64_t(rows)}, at::kLong),
                             tensor_of(block_tables, {int64_t(seqs), table_width}, at::kInt),
                             tensor_of(seq_lens, {int64_t(seqs)}, at::kInt),
-                            tensor_of(query_start_loc, {int64_t(seqs) + 1}, at::kInt)};
-        const at::Tensor logits = step(ids, meta, half_gemv);
+                            tensor_of(query_start_loc, {int64_t(seqs) + 1}, at::kInt), prefill_chunks};
+        const at::Tensor logits = step(ids, meta, half_gemv, sample_rows);
         std::vector<int64_t> first = first_maxima(logits);
         const bool took_half_gemv = half_gemv && may_take_half_gemv_ && rows <= GEMV_ROWS;
         if (!took_half_gemv || std::find(first.begin(), first.end(), -1) == first.end()) return {logits, first};
-        const at::Tensor rerun = step(ids, meta, false);
+        const at::Tensor rerun = step(ids, meta, false, sample_rows);
         return {rerun, first_maxima(rerun)};
     }
 
@@ -539,10 +550,13 @@ class DecodeStack : public torch::CustomClassHolder {
     // the embedding to the head: the kernels hand their shares to it instead of entering ~150 OpenMP regions (~1-1.5 us
     // each across a 2-core EPYC's two core complexes). torch's ops in between run on the calling thread, as in any
     // region; so the logits' widening to float32 waits until the team is released.
-    at::Tensor step(const std::vector<int64_t>& ids, const StepMeta& meta, bool half_gemv) {
-        const int64_t rows = ids.size();
+    at::Tensor step(const std::vector<int64_t>& ids, const StepMeta& meta, bool half_gemv,
+                    const std::vector<int64_t>& sample_rows) {
+        const int64_t rows = ids.size(), sampled = sample_rows.size();
         const at::ScalarType dtype = embedding_.scalar_type();
-        const bool held = head_.on_library_kernel(rows, dtype, half_gemv) &&
+        bool every_row = sampled == rows;
+        for (int64_t i = 0; i < sampled && every_row; i++) every_row = sample_rows[i] == i;
+        const bool held = head_.on_library_kernel(sampled, dtype, half_gemv) &&
                           std::all_of(layers_.begin(), layers_.end(), [&](const auto& layer) {
                               return layer->on_library_kernels(rows, dtype, half_gemv);
                           });
@@ -555,7 +569,10 @@ class DecodeStack : public torch::CustomClassHolder {
                 std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
             at::Tensor normed = workspace_.get(Workspace::NORMED, x.size(0), x.size(1), x.scalar_type());
             qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
-            logits = head_(normed, half_gemv, workspace_, Workspace::LOGITS);
+            if (!every_row)  // the head multiplies only the rows that sample, as the engine's compute_logits
+                normed = normed.index_select(0, tensor_of(sample_rows, {sampled}, at::kLong));
+            logits = sampled ? head_(normed, half_gemv, workspace_, Workspace::LOGITS)
+                             : at::empty({0, head_.out_features}, normed.options());
         };
         if (held)
             QrunTeam::hold(at::get_num_threads(), layers_and_head);

@@ -76,16 +76,13 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         one_token_each = all(end - start == 1 for start, end in spans)
-        decode = self.decode_model is not None and one_token_each
         layers = self.compiled.layers_for(spans) if self.compiled is not None else None  # never beside decode_model
         layout = StepLayout.of(spans, [seq.block_table for seq in batch.seqs], self.block_size,
                                compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
-        if decode:  # every row's logits; a one-token prefill chunk short of its prompt's end samples none (rare)
-            logits, first_max = self.decode_model.step(input_ids, positions, layout)
-            if len(sample_rows) == len(input_ids):
-                return logits, sampling, first_max
-            return logits[sample_rows], sampling, [first_max[row] for row in sample_rows]
+        if self.decode_model is not None:  # decode rows and prefill chunks; logits of the rows that sample
+            logits, first_max = self.decode_model.step(input_ids, positions, layout, sample_rows=sample_rows)
+            return logits, sampling, first_max
         if self.graphs is not None and one_token_each:
             hidden = self.graphs.hidden_states(input_ids, positions, layout)
             if hidden is not None:

@@ -32,16 +32,26 @@ def engine(path, **options) -> LLM:
 def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
     """One decode step of `batch` sequences at different context lengths, through the torch model
     and through the C++ one: (logits, cache) of each."""
+    return step_both_ways(llm, [1] * batch, seed=batch, half_gemv=half_gemv)
+
+
+def step_both_ways(llm: LLM, query_lens: list[int], seed: int, half_gemv: bool = True, sample_every: int = 1):
+    """One step of sequences with these query lengths (1: a decode row; more: a prefill chunk after cached
+    tokens) at different context lengths, every `sample_every`-th sequence's last row sampling, through the torch
+    model and through the C++ one: (logits of the sampling rows, cache) of each."""
     runner = llm.engine.runner
     model, cache, block_size = runner.model, runner.kv_cache, runner.block_size
-    g = torch.Generator().manual_seed(batch)
-    lengths = torch.randint(1, 3 * block_size, (batch,), generator=g).tolist()
+    g = torch.Generator().manual_seed(seed)
+    lengths = [n + int(torch.randint(0, 3 * block_size, (1,), generator=g)) for n in query_lens]
     width = -(-max(lengths) // block_size)
-    tables = [[1 + s * width + i for i in range(width)] for s in range(batch)]
-    layout = StepLayout.of([(n - 1, n) for n in lengths], tables, block_size)
+    tables = [[1 + s * width + i for i in range(width)] for s in range(len(lengths))]
+    spans = [(n - q, n) for q, n in zip(query_lens, lengths)]
+    layout = StepLayout.of(spans, tables, block_size)
     meta = AttentionMetadata.of(layout)
-    ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g)
-    positions = torch.tensor([n - 1 for n in lengths])
+    ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=g)
+    positions = torch.tensor([p for start, end in spans for p in range(start, end)])
+    ends = torch.tensor(query_lens).cumsum(0) - 1
+    rows = ends[::sample_every].tolist()
     with torch.inference_mode():
         for tensor in cache.tensors():  # earlier tokens' keys and values (and their scales)
             if tensor.dtype == torch.int8:
@@ -53,8 +63,8 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
             else:
                 tensor.normal_(generator=g)
         results = []
-        for step in (lambda: model.compute_logits(model(ids, positions, meta, cache)),
-                     lambda: runner.decode_model.step(ids.tolist(), positions.tolist(), layout, half_gemv)[0]):
+        for step in (lambda: model.compute_logits(model(ids, positions, meta, cache)[rows]),
+                     lambda: runner.decode_model.step(ids.tolist(), positions.tolist(), layout, half_gemv, rows)[0]):
             logits = step()
             results.append((logits, [t.clone() for t in cache.tensors()]))
     return results
@@ -67,6 +77,20 @@ def test_cpu_decode_step_equals_the_torch_model_bit_for_bit(tiny_llama64_dir, dt
     llm = engine(tiny_llama64_dir, dtype=dtype)
     assert llm.engine.runner.decode_model is not None
     (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
+    assert torch.equal(cpp_logits, torch_logits)
+    assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("query_lens, sample_every", [([40], 1), ([1, 37, 1, 20], 1), ([25, 1, 3], 2)])
+def test_a_step_with_prefill_chunks_equals_the_torch_model_bit_for_bit(tiny_llama64_dir, dtype, query_lens,
+                                                                      sample_every):
+    """Prefill chunks beside decode rows, the head multiplying only the rows that sample (none of a chunk short
+    of its prompt's end, here every other sequence's)."""
+    llm = engine(tiny_llama64_dir, dtype=dtype)
+    (torch_logits, torch_cache), (cpp_logits, cpp_cache) = step_both_ways(llm, query_lens, seed=len(query_lens),
+                                                                          sample_every=sample_every)
+    assert cpp_logits.shape[0] == len(query_lens[::sample_every])
     assert torch.equal(cpp_logits, torch_logits)
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
@@ -103,14 +127,15 @@ def test_cpu_decode_step_follows_bfloat16_only(tiny_llama64_dir):
 
 
 @pytest.mark.skipif(not cpu_quant_matmul.available(), reason="the 4-bit C++ matmul needs AVX512-VNNI")
-@pytest.mark.parametrize("batch, tile_rows, tile_dequantize_rows, dequantize_rows",
-                         [(1, 0, 0, 0), (5, 0, 0, 0), (5, 4, 0, 0), (5, 4, 4, 0), (5, 0, 0, 4)])
+@pytest.mark.parametrize("query_lens, tile_rows, tile_dequantize_rows, dequantize_rows",
+                         [([1], 0, 0, 0), ([1] * 5, 0, 0, 0), ([1] * 5, 4, 0, 0), ([1] * 5, 4, 4, 0),
+                          ([1] * 5, 0, 0, 4), ([30, 1, 9], 0, 0, 0), ([30, 1, 9], 4, 4, 20)])
 def test_cpu_decode_step_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_dir, calib_file, tmp_path,
-                                                                     monkeypatch, batch, tile_rows,
+                                                                     monkeypatch, query_lens, tile_rows,
                                                                      tile_dequantize_rows, dequantize_rows):
     """Rotated inputs (shared and per linear), act-order permutations, 5-8-bit groups' high digits, a
     quantized head; and on AMX CPUs the tile kernel (codes or weights mode) or oneDNN on the dequantized weights, by
-    the rows (forced here)."""
+    the rows (forced here); decode rows, and prefill chunks beside them."""
     if tile_rows and not cpu_quant_matmul.tile_rows():
         pytest.skip("no AMX kernel on this machine")
     monkeypatch.setattr(cpu_quant_matmul, "tile_rows", lambda: tile_rows)
@@ -120,7 +145,7 @@ def test_cpu_decode_step_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_
     convert(tiny_llama64_dir, converted, bits=5.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
     llm = engine(converted, dtype="bfloat16")
     assert llm.engine.runner.decode_model is not None
-    (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
+    (torch_logits, torch_cache), (cpp_logits, cpp_cache) = step_both_ways(llm, query_lens, seed=len(query_lens))
     assert torch.equal(cpp_logits, torch_logits)
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
@@ -143,14 +168,15 @@ def test_cpu_decode_step_runs_a_quantized_head_as_the_torch_model(calib_file, tm
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("query_lens", [[1], [1] * 5, [20, 1, 7]])
 def test_cpu_decode_step_stores_and_reads_a_quantized_cache_as_the_torch_model(tiny_llama64_dir, kv_cache_dtype,
-                                                                                 dtype, batch):
-    """Keys centred and rotated, K and V quantized into the cache (same bytes, same scales)."""
+                                                                                 dtype, query_lens):
+    """Keys centred and rotated, K and V quantized into the cache (same bytes, same scales); decode rows and a
+    prefill chunk's."""
     llm = engine(tiny_llama64_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.decode_model is not None
     assert llm.engine.runner.kv_cache.layers[0].k_mean is not None
-    (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
+    (torch_logits, torch_cache), (cpp_logits, cpp_cache) = step_both_ways(llm, query_lens, seed=len(query_lens))
     assert torch.equal(cpp_logits, torch_logits)
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
