@@ -1,7 +1,6 @@
 // A model's step in one call (decode rows, and prefill chunks beside them): torch.classes.qrun.DecodeLayer runs one
 // decoder layer, DecodeStack the embedding, every layer in order, the final norm and the head of the rows that
-// sample. Built at load from a
-// qrun.model.Transformer by qrun/cpu_decode.py, which documents why and what it covers.
+// sample. Built at load from a qrun.model.Transformer by qrun/cpu_decode.py, which documents why and what it covers.
 // The step is the eager model's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
 // rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
 // matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer,
@@ -497,8 +496,8 @@ class DecodeStack : public torch::CustomClassHolder {
     // float32 logits [sampled rows, vocab] (a new tensor) of the rows `sample_rows` names, in its order, for token
     // ids [rows] at their positions (decode rows and prefill chunks: query_start_loc), as the eager model's forward
     // and compute_logits of those rows give them, and each sampled row's first maximum (its greedy token, as
-    // qrun_first_max finds it), or -1 where a logit is NaN or infinite: the engine's check of the logits and greedy sampling then need no
-    // pass of their own, each a torch op of ~0.1-0.2 ms at batch 1 once the step has left the caches cold. The step's
+    // qrun_first_max finds it), or -1 where a logit is NaN or infinite: the engine's check of the logits and greedy
+    // sampling then need no pass of their own, each a torch op of ~0.1-0.2 ms at batch 1 once the step has left the caches cold. The step's
     // layout comes as qrun/model.py's StepLayout holds it, lists (block_tables flat, rows of table_width): tensors
     // made from them in Python cost ~0.1 ms a step at batch 1, for the same reason. half_gemv: dense linears may take
     // their float16 GEMV (at most GEMV_ROWS rows); where one's value passes float16's range, it reaches its row's

@@ -1,4 +1,4 @@
-"""Decode steps on the CPU in one C++ call (`kernels/cpu_decode_layer.cpp`): the embedding, every
+"""Steps on the CPU in one C++ call (`kernels/cpu_decode_layer.cpp`): the embedding, every
 decoder layer, the final norm and the head.
 
 At one to a few sequences a decode step is bound by per-op overhead, not by the matmuls: eager, a
@@ -130,8 +130,9 @@ class DecodeModel:
              sample_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """float32 logits [len(sample_rows), vocab] of a step's rows `sample_rows` (None: every row),
         decode rows and prefill chunks alike (what `Transformer.compute_logits` gives for those rows
-        of `Transformer.forward`'s), and each one's first maximum: its greedy token (`kernels/argmax.py`), or -1 where a logit is NaN or infinite,
-        found while the logits are in the caches (after a 4.0-bpw SmolLM2 step at batch 1 the
+        of `Transformer.forward`'s), and each one's first maximum: its greedy token
+        (`kernels/argmax.py`), or -1 where a logit is NaN or infinite, found while the logits are in
+        the caches (after a 4.0-bpw SmolLM2 step at batch 1 the
         engine's own passes took 164 and 76 us, 10x their warm time: the step's weights have
         streamed through every cache). `half_gemv`: dense
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
