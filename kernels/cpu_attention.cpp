@@ -801,15 +801,17 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
 }
 
 // Every prefill chunk's rows of the step; decode rows are decode_attention's.
+// Items one at a time to whichever thread is free, on the held team where a C++ step holds one (a prefill chunk of
+// a few rows beside decode rows), else in an OpenMP region.
 template <typename Tile, int64_t dim>
 void attend_prefill_items(const Step& step, const std::vector<PrefillItem>& items, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
+    std::atomic<size_t> next{0};
+    qrun_parallel(threads, [&](int64_t, int64_t) {
         Tile::begin();
-#pragma omp for schedule(dynamic, 1)
-        for (size_t i = 0; i < items.size(); i++) attend_prefill_item<Tile, dim>(step, items[i]);
+        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items.size();)
+            attend_prefill_item<Tile, dim>(step, items[i]);
         Tile::end();
-    }
+    });
 }
 
 template <int kind, int64_t dim>
