@@ -800,7 +800,6 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
         }
 }
 
-// Every prefill chunk's rows of the step; decode rows are decode_attention's.
 // Items one at a time to whichever thread is free, on the held team where a C++ step holds one (a prefill chunk of
 // a few rows beside decode rows), else in an OpenMP region.
 template <typename Tile, int64_t dim>
@@ -814,6 +813,7 @@ void attend_prefill_items(const Step& step, const std::vector<PrefillItem>& item
     });
 }
 
+// Every prefill chunk's rows of the step; decode rows are decode_attention's.
 template <int kind, int64_t dim>
 void prefill_attention(const Step& step) {
     const int64_t group = step.num_q_heads / step.num_kv_heads;
