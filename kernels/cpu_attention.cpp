@@ -663,11 +663,11 @@ struct AmxTile {
     // Tiles: 0 the scores (keys x queries, float32), 1 keys (x 32 elements), 2 queries' pairs; 3 sums (queries x 16
     // elements, float32), 4 weights (queries x keys, bfloat16), 5 values' pairs of tokens (x 16 elements).
     static void begin() {
-        struct alignas(64) {
-            uint8_t palette = 1, start_row = 0, reserved[14] = {};
-            uint16_t bytes_per_row[16] = {64, 64, 64, 64, 32, 64};
-            uint8_t rows[16] = {16, 16, 16, 16, 16, 8};
-        } config;
+        QrunTileConfig config;
+        for (int tile = 0; tile < 6; tile++) {
+            config.rows[tile] = tile == 5 ? KEYS / 2 : 16;
+            config.bytes_per_row[tile] = tile == 4 ? KEYS * 2 : 64;
+        }
         _tile_loadconfig(&config);
     }
     static void end() { _tile_release(); }

@@ -37,13 +37,14 @@ over 2,048 17.5 against 43.4 (2.47x); float32, int8 and int4 caches 1.48-3.23x (
 to float32, no pairs). On CPUs with AMX a bfloat16 cache's tiles multiply on the tile unit
 (`tdpbf16ps`, the same roundings): 16 keys' scores against 16 query vectors come out a key a row,
 as the lanes' online softmax takes them, and the weighted values are summed into each query
-vector's row of sums, rescaled between key tiles only where a maximum moved. On a 2-core Xeon
-(one layer, 2026-12-05, in one process against the AVX512-BF16 pairs): SmolLM2's heads, 512
-queries over 512 keys 0.83 against 2.27 ms (2.73x), 512 over 2,048 4.67 against 15.2 (3.26x), 64
-over 300 2.43x; 32 query and 8 KV heads of 128, 512 over 1,024 3.18x. torch's SDPA in bfloat16
-also multiplies on the tile unit there (SmolLM2's heads: 512 over 512 1.07-1.09 ms against the
-kernel's 0.94-0.96, 2,048 over 2,048 10.0-10.9 against 11.9-12.7), but its bits depend on where
-the chunk was cut, so prefill chunks run this kernel there too.
+vector's row of sums, rescaled between key tiles only where a maximum moved: 2.4-3.3x the
+AVX512-BF16 pairs on a 2-core Xeon (a one-off A/B of the two kernels in one process, commit
+0db97d5). `python scripts/attention_speed.py --caches bfloat16 --cases
+16x16,64x300,512x512,512x1024,32x2000,2048x2048,1x2000` there (2026-12-05, SmolLM2's heads),
+the reference / the kernel / torch's SDPA in bfloat16 on K/V gathered beforehand, ms: 0.08 /
+0.03 / 0.02, 0.48 / 0.16 / 0.22, 3.79 / 1.12 / 1.37, 6.43 / 2.11 / 2.92, 1.38 / 0.43 / 0.60,
+27.6 / 10.7 / 11.3, 0.40 / 0.09 / 0.10. That SDPA multiplies on the tile unit too, but its bits
+depend on where the chunk was cut, so prefill chunks run this kernel there as everywhere.
 
 The kernel is `torch.ops.qrun.paged_attention`, part of the C++ library `kernels/cpu_library.py`
 builds (a compiled decode layer keeps it as one call); where it cannot be built the kernel table

@@ -147,6 +147,13 @@ inline bool qrun_tiles_permitted() {
     static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return permitted;
 }
+
+// The tile registers' shapes as ldtilecfg reads them (palette 1): per tile, its rows and bytes a row.
+struct alignas(64) QrunTileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+};
 #endif
 
 // body(part, parts) run by `threads` threads, each taking its share by its part: on the held team (QrunTeam), else in

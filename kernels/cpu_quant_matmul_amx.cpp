@@ -28,15 +28,9 @@ namespace {
 constexpr int64_t TILE_N = 16, BLOCK_K = 32, TILE_ROWS = 16;
 constexpr int64_t BLOCK_BYTES = BLOCK_K * TILE_N * 2;  // one block of a channel tile as bfloat16 pairs (a B tile)
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-};
-
 // Tiles: 0-3 sums (row tile r, channel tile t: 2r + t), 4-5 rows of x, 6-7 weights. rows1 = 0: one row tile.
 void configure(int rows0, int rows1) {
-    TileConfig config;
+    QrunTileConfig config;
     for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64;
     config.rows[0] = config.rows[1] = config.rows[4] = rows0;
     config.rows[2] = config.rows[3] = config.rows[5] = rows1 ? rows1 : 1;

@@ -15,9 +15,10 @@ C++ attention takes, dense linears and quantized ones on the VNNI kernel; an eng
 or head it does not all cover runs the compiled torch layer instead (`qrun/compiled_decode.py`).
 Steps with prefill chunks run here too, beside their decode rows (the attention kernel takes both;
 the head multiplies only the rows that sample): a prefill step of 512 tokens called ~2,000 torch
-ops from Python, ~13% of its time on a 2-core Xeon (perf), and 64 prompts of mixed_lengths.jsonl
+ops from Python, ~13% of its time on a 2-core Xeon (perf), and in a one-off probe there (prefill
+steps sent either way, alternating in one process, 2026-12-05) 64 prompts of mixed_lengths.jsonl
 prefilled 1.18x (dense bfloat16) and 1.22x (4.0 bpw) faster here than through the torch model,
-the whole 64-request run 1.05x and 1.09x (alternating in one process, 2026-12-05).
+the whole 64-request run 1.05x and 1.09x.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ class DecodeModel:
         streamed through every cache). `half_gemv`: dense
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
         case); a step in which one passes float16's range runs again without it, in the same call."""
-        rows = range(len(ids)) if sample_rows is None else sample_rows
+        rows = list(range(len(ids))) if sample_rows is None else sample_rows
         return self.stack.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
-                                  layout.seq_lens, layout.query_start_loc, list(rows), half_gemv)
+                                  layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
 
 # Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams (SmolLM2 takes

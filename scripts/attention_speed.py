@@ -2,7 +2,10 @@
 the torch reference (`paged_attention_ref`: SDPA on gathered, float32-cast K/V), side by side in
 one process, interleaved, warm-up excluded; medians and ratios. Each case is one sequence whose
 QUERIES rows attend over KEYS keys (QUERIES > 1: a prefill chunk after KEYS - QUERIES cached
-tokens; 1: a decode row), its cache blocks scattered over the pool. Quiet machine only.
+tokens; 1: a decode row), its cache blocks scattered over the pool. For a float cache, also torch's
+SDPA in the cache's own dtype on K/V gathered once outside the timing (on a CPU with AMX, bfloat16
+SDPA multiplies on the tile unit; prefill cannot use it, its bits depending on the chunking). Quiet
+machine only.
 
     python scripts/attention_speed.py --caches bfloat16,float32,int8,int4 --cases 512x512,512x1024,32x2000,2048x2048
 """
@@ -40,6 +43,20 @@ def step(cache: str, queries: int, keys: int, heads: int, kv_heads: int, dim: in
             torch.tensor([0, queries], dtype=torch.int32), queries, keys, dim ** -0.5, None, k_scales, v_scales)
 
 
+def sdpa_in_cache_dtype(q, k_cache, v_cache, tables, seq_lens, query_start_loc, queries, keys, scale, *rest):
+    """torch's SDPA over the case's one sequence in the cache's dtype, K/V gathered now: a run of it, and its
+    arguments."""
+    k, v = (c[tables[0].long()].flatten(0, 1)[:keys].transpose(0, 1)[None] for c in (k_cache, v_cache))
+    # a square case as SDPA runs it fastest (is_causal); else the causal mask from the first query's position
+    mask = None if queries == keys else torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+
+    def run(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                                scale=scale, enable_gqa=True)
+
+    return run, (q.transpose(0, 1)[None], k, v, mask)
+
+
 def median_seconds(run, args: tuple, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -64,21 +81,25 @@ def main() -> None:
         raise SystemExit("the C++ kernels did not build here: nothing to compare")
     print(f"threads {torch.get_num_threads()}, {args.heads} query / {args.kv_heads} KV heads of {args.head_dim}; "
           "ms per layer, medians of interleaved runs")
-    print("| cache | queries x keys | reference (SDPA) ms | C++ ms | C++ speed-up |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| cache | queries x keys | reference (SDPA) ms | C++ ms | C++ speed-up | SDPA in the cache's dtype ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for cache in args.caches.split(","):
         for case in args.cases.split(","):
             queries, keys = map(int, case.split("x"))
             arguments = step(cache, queries, keys, args.heads, args.kv_heads, args.head_dim, args.block_size)
-            times: dict[str, list[float]] = {"reference": [], "kernel": []}
+            runs = {"reference": (paged_attention_ref, arguments), "kernel": (paged_attention_cpu, arguments)}
+            if cache in FLOAT_CACHES:
+                runs["sdpa"] = sdpa_in_cache_dtype(*arguments)
+            times: dict[str, list[float]] = {name: [] for name in runs}
             with torch.inference_mode():
-                for run in (paged_attention_ref, paged_attention_cpu):  # warm-up
-                    run(*arguments)
+                for run, run_args in runs.values():  # warm-up
+                    run(*run_args)
                 for _ in range(3):  # rounds, interleaved
-                    times["reference"].append(median_seconds(paged_attention_ref, arguments, args.repeats))
-                    times["kernel"].append(median_seconds(paged_attention_cpu, arguments, args.repeats))
-            reference, ours = (statistics.median(v) * 1e3 for v in times.values())
-            print(f"| {cache} | {case} | {reference:.2f} | {ours:.2f} | {reference / ours:.2f}x |")
+                    for name, (run, run_args) in runs.items():
+                        times[name].append(median_seconds(run, run_args, args.repeats))
+            reference, ours = (statistics.median(times[name]) * 1e3 for name in ("reference", "kernel"))
+            sdpa = f"{statistics.median(times['sdpa']) * 1e3:.2f}" if "sdpa" in times else "-"
+            print(f"| {cache} | {case} | {reference:.2f} | {ours:.2f} | {reference / ours:.2f}x | {sdpa} |")
 
 
 if __name__ == "__main__":
