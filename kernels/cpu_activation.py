@@ -8,7 +8,7 @@ a step with AVX512, computes SiLU as x / (1 + e^-x) from e^-|x| (no overflow; th
 float ulp of torch's) and rounds as the reference does: the SiLU to the rows' dtype, then the
 product. So a bfloat16 result differs from the reference only where the float SiLU lies within a
 few ulp of a rounding boundary (one bfloat16 step, rarely), a float32 one by a few ulp; eager
-layers and the C++ decode layer both run this kernel, so they stay equal to each other bit for
+layers and the C++ model both run this kernel, so they stay equal to each other bit for
 bit. Through the op, 1536 values a row on a 2-core Xeon: 2.8 / 3.5 us (kernel / reference) at one
 row, 18 / 21 at 16, 0.26 / 0.33 ms at 512 (microbenchmark).
 """

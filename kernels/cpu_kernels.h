@@ -1,6 +1,6 @@
 // The plain C++ kernels' entry points (cpu_activation.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
 // cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp,
-// which makes them torch ops (the decode layer calls those); their Python modules document the arguments. And what
+// which makes them torch ops (the C++ model calls those); their Python modules document the arguments. And what
 // the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads (a decode
 // step's team, else an OpenMP region).
 

@@ -5,7 +5,7 @@ signature, as one C++ pass over the step's tokens (`cpu_kv_store.cpp`, through
 The reference quantizes with ~15 torch ops per layer and step (upcast, clamp, min/max, divide,
 floor, pack, two scatters per tensor), which at a few decode rows cost more than the layer's
 attention. The kernel does the same float32 operations and float16 roundings element for element,
-so it writes the reference's bytes; the eager layers and the C++ decode layer both store through
+so it writes the reference's bytes; the eager layers and the C++ model both store through
 it (the kernel table's `store_kv` on the CPU). Float caches stay with the reference (one cast and
 one scatter each).
 """

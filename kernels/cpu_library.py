@@ -6,9 +6,9 @@ cpu_read.cpp, the benchmark's read-bandwidth probe) are plain C++; cpu_ops.cpp r
 (schema, CPU and, for the model's, Meta implementations), so eager code reaches them with one dispatch (~1.5 us
 for an empty op; the Python op around a ctypes call it replaces took ~10 us, and a decode step makes ~150 such calls)
 and a compiled graph keeps each as one call.
-cpu_decode_layer.cpp is a decoder layer's decode step as one object calling them
-(`torch.classes.qrun.DecodeLayer`), and a model's whole decode step, embedding to logits, as another
-(`DecodeStack`: qrun/cpu_decode.py). Built with the
+cpu_model.cpp is a decoder layer's step (decode rows and prefill chunks) as one object calling them
+(`torch.classes.qrun.StepLayer`), and a model's whole step, embedding to logits, as another
+(`StepModel`: qrun/cpu_model.py). Built with the
 machine's C++ compiler (the names Inductor looks for) for this CPU (-march=native) against the running
 torch's headers, and cached under qrun's cache folder keyed by the sources, flags, compiler, torch and
 CPU: ~25 s once.
@@ -43,7 +43,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_activation.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_half_gemv.cpp",
                              "cpu_int4.cpp", "cpu_kv_store.cpp", "cpu_norm.cpp", "cpu_quant_matmul.cpp",
                              "cpu_quant_matmul_amx.cpp", "cpu_read.cpp", "cpu_rotary.cpp", "cpu_rotation.cpp",
-                             "cpu_ops.cpp", "cpu_decode_layer.cpp"))
+                             "cpu_ops.cpp", "cpu_model.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_ops.h"))
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fopenmp", "-std=c++20", "-shared", "-fPIC",

@@ -6,7 +6,7 @@ casts), each a dispatch and an allocation: in a native profile of a batch-1 Smol
 the norms took 10-15% of the step. The kernel adds the residual, sums the squares and scales in
 one pass, and rounds where torch's rms_norm (the reference) rounds: the sum to the rows' dtype,
 then the scaled row once. Its results differ from the reference in the last bit where the
-reduction order does, so the eager layers and the C++ decode layer both take it (the kernel
+reduction order does, so the eager layers and the C++ model both take it (the kernel
 table's `rms_norm` on the CPU), and stay equal.
 """
 

@@ -1,6 +1,6 @@
 // cpu_ops.cpp's ops with their outputs given by the caller: the torch ops allocate them and call these; the C++
-// decode layer (cpu_decode_layer.cpp) passes tensors it keeps between steps, so a decode step at one row makes no
-// allocation of its own. Each checks its arguments as the op does.
+// model (cpu_model.cpp) passes tensors it keeps between steps, so a decode step at one row makes no allocation of
+// its own. Each checks its arguments as the op does.
 
 #pragma once
 
@@ -34,7 +34,7 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
 bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows, int64_t dequantize_rows);
 
 // An [n, k] weight's VNNI planes as the kernel reads them (kernels/cpu_quant_matmul.py's layout), checked once where
-// they are made: the decode layer keeps them with its linear, the op makes them for each call. The tensors they
+// they are made: the C++ model's layer keeps them with its linear, the op makes them for each call. The tensors they
 // point into must outlive them.
 struct VnniPlanes {
     struct Plane {

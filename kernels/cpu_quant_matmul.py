@@ -213,7 +213,7 @@ def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zer
     at one row), each thread reading `read_streams` runs of weights side by side at one or two rows
     (`read_streams.py`); bfloat16 rows from `tile_rows()` rows on the
     AMX kernel (x as it is; in weights mode from `tile_dequantize_rows()` rows), from
-    `dequantize_rows()` on oneDNN on the dequantized weight (the op decides; the C++ decode layer
+    `dequantize_rows()` on oneDNN on the dequantized weight (the op decides; the C++ model
     passes it the same thresholds)."""
     return torch.ops.qrun.quant_matmul(x, codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
                                        high_zeros, high_centers, k_high, input_digits, tile_rows(),

@@ -6,7 +6,7 @@ writing a new tensor: for a 512-token prefill chunk of SmolLM2 (9 query and 3 ke
 ~0.46 ms a layer on a 2-core Xeon, 7% of the chunk's forward. The kernel reads q and k in place
 (the q/k/v projection's strided views) and writes each rotated element once, computing as the
 reference does (the product with cos rounded, the one with sin fused into the add: torch's
-addcmul), so its results equal the reference's bit for bit, as the C++ decode layer's rotary
+addcmul), so its results equal the reference's bit for bit, as the C++ model's rotary
 (the same formula, `qrun_rotary_pair`) does.
 """
 

@@ -8,7 +8,7 @@ one on a 2-core Xeon (the 6-bit head of a 4.0-bpw SmolLM2 1.64 -> 1.02 ms), whil
 of dense models, four beat one on the Xeon (23.5 vs 19.4 GB/s) and two beat four on the EPYC
 (single-stream decode 1.06-1.09x). The streams change no result, only the order of the reads.
 What is timed is what decode steps run: the C++ step at batch 1 where it covers the model
-(`qrun/cpu_decode.py`: its products back to back on one held team of threads, which timing them one
+(`qrun/cpu_model.py`: its products back to back on one held team of threads, which timing them one
 call each does not show), else the products one call each (`fastest_for`).
 """
 

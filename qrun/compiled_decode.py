@@ -1,5 +1,5 @@
 """Decode steps on the CPU through one `torch.compile`d decoder layer, where the C++ decoder layer
-(`qrun/cpu_decode.py`, the faster path) does not cover the model: quantized KV caches, heads
+(`qrun/cpu_model.py`, the faster path) does not cover the model: quantized KV caches, heads
 without a C++ attention, 4-bit models on CPUs without AVX512-VNNI.
 
 In eager mode a decoder layer costs ~50 small torch ops around its matmuls (norms, rotary, casts,

@@ -89,7 +89,7 @@ class CpuDenseLinear(nn.Module):
                 self.weight = nn.Parameter(self.weight_packed, requires_grad=False)
         self.enabled = True  # False inside bfloat16_only
         self.half_gemv = cpu_half_gemv.half_gemv if backend(self.weight_f16.device) == "cpu" else half_gemv_ref
-        self.read_streams = DEFAULT_READ_STREAMS  # the GEMV's: cpu_decode.fastest_decode_model
+        self.read_streams = DEFAULT_READ_STREAMS  # the GEMV's: cpu_model.fastest_cpu_model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:
@@ -142,7 +142,7 @@ def measure_gemv_read_streams(model: nn.Module) -> None:
     """Set every library GEMV's read streams to the count under which its model's one-row float16
     GEMVs, one call each as the torch layers run them, are fastest on this machine
     (`kernels/read_streams.py`; dense SmolLM2: ~270 MB of weights, ~0.2 s). For a model the C++
-    decode step does not cover: `cpu_decode.fastest_decode_model` times the others' steps."""
+    decode step does not cover: `cpu_model.fastest_cpu_model` times the others' steps."""
     linears = gemv_linears(model)
 
     def product(linear: CpuDenseLinear) -> tuple[Callable[[int], object], int]:

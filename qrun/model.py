@@ -22,7 +22,7 @@ from qrun.kv_cache import KVCache, LayerKV
 @dataclass
 class StepLayout:
     """Where a flat batch's sequences lie, as lists: what `AttentionMetadata` holds as tensors. The
-    C++ decode step (qrun/cpu_decode.py) takes the lists themselves."""
+    C++ model (qrun/cpu_model.py) takes the lists themselves."""
 
     slot_mapping: list[int]  # [T] cache slot of each new token's K/V
     block_tables: list[int]  # [S * table_width], each sequence's table padded with block 0 to table_width
@@ -243,7 +243,7 @@ class Transformer(nn.Module):
                 kv_cache: KVCache, layers: Callable | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per input token.
         `layers(x, residual, positions, meta, kv_cache)` runs the decoder layers in place of
-        `run_layers` (the C++ decode step: `qrun/cpu_decode.py`)."""
+        `run_layers` (the C++ model: `qrun/cpu_model.py`)."""
         x = self.embed_tokens(input_ids)
         residual = torch.zeros_like(x)  # the first layer adds one too, so one compiled graph serves all
         x, residual = (layers or self.run_layers)(x, residual, positions, meta, kv_cache)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
-from qrun.cpu_decode import fastest_decode_model
+from qrun.cpu_model import fastest_cpu_model
 from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
 from qrun.cuda_graphs import CudaGraphDecode
 from qrun.kernels import backend
@@ -41,8 +41,8 @@ class ModelRunner:
         # compiled torch layer (unless compile_decode is off), else eager; on a GPU with the
         # Triton kernels, CUDA graphs (unless compile_decode is off)
         kernels = backend(self.device)
-        self.decode_model = fastest_decode_model(self.model, self.kv_cache) if kernels == "cpu" else None
-        self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.decode_model is None
+        self.cpu_model = fastest_cpu_model(self.model, self.kv_cache) if kernels == "cpu" else None
+        self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.cpu_model is None
                          and can_compile(self.model, self.device) else None)
         self.graphs = (CudaGraphDecode(self.model, self.kv_cache, max_num_seqs, max_model_len)
                        if compile_decode and self.device.type == "cuda" and kernels == "triton" else None)
@@ -58,7 +58,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:
         """Run the batch; return float32 logits for the sequences that now sample a token, those
         sequences, and each row's first maximum (-1: a logit not finite) where the step found
-        them with the logits (the C++ decode step's), else None.
+        them with the logits (the C++ model's), else None.
 
         A sequence samples when this step computes its last known token; a prefill chunk that
         stops short of the prompt's end only fills the cache.
@@ -76,12 +76,12 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         one_token_each = all(end - start == 1 for start, end in spans)
-        layers = self.compiled.layers_for(spans) if self.compiled is not None else None  # never beside decode_model
+        layers = self.compiled.layers_for(spans) if self.compiled is not None else None  # never beside cpu_model
         layout = StepLayout.of(spans, [seq.block_table for seq in batch.seqs], self.block_size,
                                compiled=layers is not None)
         positions = [p for start, end in spans for p in range(start, end)]
-        if self.decode_model is not None:  # decode rows and prefill chunks; logits of the rows that sample
-            logits, first_max = self.decode_model.step(input_ids, positions, layout, sample_rows=sample_rows)
+        if self.cpu_model is not None:  # decode rows and prefill chunks; logits of the rows that sample
+            logits, first_max = self.cpu_model.step(input_ids, positions, layout, sample_rows=sample_rows)
             return logits, sampling, first_max
         if self.graphs is not None and one_token_each:
             hidden = self.graphs.hidden_states(input_ids, positions, layout)

@@ -229,7 +229,7 @@ class CpuQuantMatmul(nn.Module):
         # the VNNI kernel's (codes, scales, zeros, centers) of the low digits, then of the high ones
         # (or four Nones); low and high: torch's int4 kernel's weights instead
         self.planes = self.low = self.high = None
-        self.read_streams = DEFAULT_READ_STREAMS  # the VNNI kernel's: cpu_decode.fastest_decode_model
+        self.read_streams = DEFAULT_READ_STREAMS  # the VNNI kernel's: cpu_model.fastest_cpu_model
         self.dequantizes = False
         self.gather_columns = (cpu_quant_matmul.gather_columns if backend(torch.device("cpu")) == "cpu"
                                else cpu_quant_matmul.gather_columns_ref)
@@ -374,7 +374,7 @@ def measure_read_streams(model: nn.Module) -> None:
     """Set every VNNI matmul's read streams to the count under which its model's one-row products,
     one call each as the torch layers run them, are fastest on this machine
     (`kernels/read_streams.py`; SmolLM2 at 4.0 bpw: ~90 MB of weights, ~0.1 s). For a model the
-    C++ decode step does not cover: `cpu_decode.fastest_decode_model` times the others' steps."""
+    C++ model does not cover: `cpu_model.fastest_cpu_model` times the others' steps."""
     matmuls = vnni_matmuls(model)
 
     def product(matmul: CpuQuantMatmul) -> tuple[Callable[[int], object], int]:

@@ -64,7 +64,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     """One token per row of `logits` ([B, V] float32), and its logprobs where asked for.
     `token_bitmask` ([C, words] int32) holds the tokens allowed to each of the C sequences that
     have a grammar, in batch order. `first_max`: each row's first maximum where the caller found
-    it with the logits (the C++ decode step): a greedy batch whose logits nothing rewrites takes it
+    it with the logits (the C++ model): a greedy batch whose logits nothing rewrites takes it
     as its tokens. `logits` is left as it was, so a caller can sample a row again (the engine
     does, one row at a time, when a batch fails)."""
     params = [s.params for s in seqs]

@@ -9,7 +9,7 @@ import torch
 import qrun.compiled_decode as compiled_decode
 from qrun import LLM, SamplingParams
 from qrun.convert.main import convert
-from qrun.cpu_decode import DecodeModel
+from qrun.cpu_model import CpuModel
 from qrun.kernels import cpu_library, cpu_quant_matmul
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -21,9 +21,9 @@ needs_compiler = pytest.mark.skipif(not cpu_library.available(),
 
 @pytest.fixture(autouse=True)
 def torch_decode_steps(monkeypatch):
-    """The compiled torch layer runs where the C++ decode step does not (qrun/cpu_decode.py):
+    """The compiled torch layer runs where the C++ model does not (qrun/cpu_model.py):
     these tests make it run everywhere."""
-    monkeypatch.setattr(DecodeModel, "build", classmethod(lambda cls, model, kv_cache: None))
+    monkeypatch.setattr(CpuModel, "build", classmethod(lambda cls, model, kv_cache: None))
 
 
 def tiny_prompts(n):

@@ -131,8 +131,8 @@ def test_sample_leaves_the_logits_it_is_given_unchanged(llm):
 def cpp_decode_llm(tiny_llama64_dir):
     """An engine whose decode steps run the C++ model, which reports each row's finiteness itself."""
     llm = LLM(str(tiny_llama64_dir), dtype="float32", kv_cache_memory=8_000_000, max_num_seqs=16)
-    if llm.engine.runner.decode_model is None:
-        pytest.skip("the C++ decode step is not built here")
+    if llm.engine.runner.cpu_model is None:
+        pytest.skip("the C++ model is not built here")
     return llm
 
 
@@ -150,7 +150,7 @@ def test_a_non_finite_logits_row_fails_only_its_request(request, engine_fixture,
             reported.append(first_max is not None)
             for row, seq in enumerate(sampling):
                 if is_bad(seq) and len(seq.output_token_ids) == 1:
-                    if first_max is not None:  # the C++ step's report of such a row (test_cpu_decode pins it)
+                    if first_max is not None:  # the C++ step's report of such a row (test_cpu_model pins it)
                         first_max[row] = -1
                     else:
                         with torch.inference_mode():

@@ -55,7 +55,7 @@ def test_first_max_cpu_reads_a_vocabulary_and_strided_rows_as_torch_does():
     (SamplingParams(temperature=0.8, seed=3), False),  # sampled, not greedy
 ])
 def test_a_given_first_maximum_is_taken_only_where_nothing_rewrites_a_greedy_rows_logits(params, takes_first_max):
-    """The C++ decode step hands its rows' first maxima to the sampler with the logits."""
+    """The C++ model hands its rows' first maxima to the sampler with the logits."""
     logits = torch.full((1, 8), -10.0)
     logits[0, 2] = 5.0  # the row's maximum, a token its sequence has already sampled
     logits[0, 6] = 4.0

@@ -1,6 +1,6 @@
-// A model's step in one call (decode rows, and prefill chunks beside them): torch.classes.qrun.DecodeLayer runs one
-// decoder layer, DecodeStack the embedding, every layer in order, the final norm and the head of the rows that
-// sample. Built at load from a qrun.model.Transformer by qrun/cpu_decode.py, which documents why and what it covers.
+// A model's step in one call (decode rows, and prefill chunks beside them): torch.classes.qrun.StepLayer runs one
+// decoder layer, StepModel the embedding, every layer in order, the final norm and the head of the rows that
+// sample. Built at load from a qrun.model.Transformer by qrun/cpu_model.py, which documents why and what it covers.
 // The step is the eager model's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
 // rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
 // matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer,
@@ -37,7 +37,7 @@
 
 namespace {
 
-// How a linear multiplies (qrun/cpu_decode.py builds each).
+// How a linear multiplies (qrun/cpu_model.py builds each).
 enum LinearKind : int64_t {
     QUANT = 0,        // the VNNI 4-bit planes of cpu_quant_matmul: weights = low (codes, scales, zeros, centers)
                       // [+ high the same]; bias float32, added in the model's dtype
@@ -191,11 +191,11 @@ struct Linear {
     }
 };
 
-// A linear from DecodeLayer.set_linear's (or DecodeStack.set_head's) arguments, its VNNI planes checked once.
+// A linear from StepLayer.set_linear's (or StepModel.set_head's) arguments, its VNNI planes checked once.
 Linear make_linear(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
                    Optional odd_factor, int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
                    int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
-    TORCH_CHECK(kind >= QUANT && kind <= DEQUANTIZED, "DecodeLayer: no linear of kind ", kind);
+    TORCH_CHECK(kind >= QUANT && kind <= DEQUANTIZED, "StepLayer: no linear of kind ", kind);
     Linear linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                   std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
                   tile_dequantize_rows, dequantize_rows, read_streams};
@@ -218,9 +218,9 @@ inline void rotary(const T* x, const float* cos, const float* sin, int64_t dim, 
     }
 }
 
-class DecodeLayer : public torch::CustomClassHolder {
+class StepLayer : public torch::CustomClassHolder {
   public:
-    DecodeLayer(at::Tensor input_norm, at::Tensor post_attention_norm, double eps, int64_t num_heads,
+    StepLayer(at::Tensor input_norm, at::Tensor post_attention_norm, double eps, int64_t num_heads,
                 int64_t num_kv_heads, int64_t head_dim, double scale, at::Tensor k_cache, at::Tensor v_cache,
                 Optional k_scales, Optional v_scales)
         : input_norm_(std::move(input_norm)), post_attention_norm_(std::move(post_attention_norm)), eps_(eps),
@@ -232,7 +232,7 @@ class DecodeLayer : public torch::CustomClassHolder {
                     std::optional<at::Tensor> perm, std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
                     int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits, int64_t tile_rows,
                     int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
-        TORCH_CHECK(slot >= 0 && slot < 4, "DecodeLayer.set_linear: no slot ", slot);
+        TORCH_CHECK(slot >= 0 && slot < 4, "StepLayer.set_linear: no slot ", slot);
         linears_[slot] = make_linear(kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                                      std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
                                      tile_dequantize_rows, dequantize_rows, read_streams);
@@ -254,7 +254,7 @@ class DecodeLayer : public torch::CustomClassHolder {
                                                const at::Tensor& cos_sin, const StepMeta& meta, bool half_gemv,
                                                Workspace& workspace) const {
         std::tuple<at::Tensor, at::Tensor> result;
-        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_layer", [&] {
+        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "step_layer", [&] {
             result = step<scalar_t>(x, residual, cos_sin, meta, half_gemv, workspace);
         });
         return result;
@@ -273,11 +273,11 @@ class DecodeLayer : public torch::CustomClassHolder {
         TORCH_CHECK((!key_mean && !key_balance && !query_balance) ||
                         (shaped(key_mean, num_kv_heads_) && shaped(key_balance, num_kv_heads_) &&
                          shaped(query_balance, num_heads_)),
-                    "DecodeLayer.set_cache_transforms: key_mean and key_balance must be contiguous [kv heads, "
+                    "StepLayer.set_cache_transforms: key_mean and key_balance must be contiguous [kv heads, "
                     "head_dim], query_balance [heads, head_dim], all three or none");
         TORCH_CHECK(!key_reflection || (shaped(key_reflection, num_kv_heads_) &&
                                         key_reflection->scalar_type() == at::kFloat),
-                    "DecodeLayer.set_cache_transforms: key_reflection must be contiguous float32 [kv heads, "
+                    "StepLayer.set_cache_transforms: key_reflection must be contiguous float32 [kv heads, "
                     "head_dim]");
         rotation_signs_ = std::move(signs);
         rotation_odd_factor_ = std::move(odd_factor);
@@ -396,7 +396,7 @@ class DecodeLayer : public torch::CustomClassHolder {
                                        std::is_same_v<T, float> ? 0 : 1, rotation_signs_->data_ptr<float>(),
                                        rotation_odd_factor_ ? rotation_odd_factor_->data_ptr<float>() : nullptr, odd,
                                        heads.numel() / head_dim_, head_dim_, inverse, at::get_num_threads());
-        TORCH_CHECK(status == 0, "DecodeLayer: no rotation of ", head_dim_, " values");
+        TORCH_CHECK(status == 0, "StepLayer: no rotation of ", head_dim_, " values");
     }
 
     // Rotary (rounded to T) of every row's query and key heads, each handed to query(row, head, rotated) or
@@ -432,7 +432,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         const int64_t* slots = slot_mapping.data_ptr<int64_t>();
         const T* rows = qkv.data_ptr<T>();
         float* query_rows = queries.data_ptr<float>();
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer_cache", [&] {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "step_layer_cache", [&] {
             scalar_t* k_out = k_cache.data_ptr<scalar_t>();
             scalar_t* v_out = v_cache.data_ptr<scalar_t>();
             rotated_heads<T>(
@@ -462,28 +462,28 @@ class DecodeLayer : public torch::CustomClassHolder {
     Linear linears_[4];
 };
 
-// The model's decode step in one call: the embedding, every decoder layer in order, the final norm and the head. A
+// The model's step in one call: the embedding, every decoder layer in order, the final norm and the head. A
 // call from Python costs ~25 us, and each torch op around the layers as much again (the embedding, the norm and the
 // head's module chain: ~0.15 ms of a ~4.5 ms 4.0-bpw SmolLM2 step at batch 1). It keeps the layers' workspace, so one
 // stack runs one step at a time (an engine's).
-class DecodeStack : public torch::CustomClassHolder {
+class StepModel : public torch::CustomClassHolder {
   public:
     // cos_sin: the model's table (qrun/model.py's Transformer.cos_sin); embedding [vocab, hidden] and final_norm in
     // the layers' dtype.
-    DecodeStack(at::Tensor cos_sin, at::Tensor embedding, at::Tensor final_norm, double eps)
+    StepModel(at::Tensor cos_sin, at::Tensor embedding, at::Tensor final_norm, double eps)
         : cos_sin_(std::move(cos_sin)), embedding_(std::move(embedding)), final_norm_(std::move(final_norm)),
           eps_(eps) {
         TORCH_CHECK(embedding_.dim() == 2 && embedding_.is_contiguous() &&
                         final_norm_.scalar_type() == embedding_.scalar_type(),
-                    "DecodeStack: the embedding must be a contiguous [vocab, hidden] tensor of the final norm's dtype");
+                    "StepModel: the embedding must be a contiguous [vocab, hidden] tensor of the final norm's dtype");
     }
 
-    void add_layer(c10::intrusive_ptr<DecodeLayer> layer) {
+    void add_layer(c10::intrusive_ptr<StepLayer> layer) {
         may_take_half_gemv_ |= layer->may_take_half_gemv();
         layers_.push_back(std::move(layer));
     }
 
-    // The head: DecodeLayer.set_linear's arguments after the slot.
+    // The head: StepLayer.set_linear's arguments after the slot.
     void set_head(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
                   Optional odd_factor, int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
                   int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
@@ -508,17 +508,17 @@ class DecodeStack : public torch::CustomClassHolder {
         const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables, int64_t table_width,
         const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& query_start_loc,
         const std::vector<int64_t>& sample_rows, bool half_gemv) {
-        TORCH_CHECK(head_.kind >= 0, "DecodeStack: set_head first");
+        TORCH_CHECK(head_.kind >= 0, "StepModel: set_head first");
         const size_t rows = ids.size(), seqs = seq_lens.size();
         TORCH_CHECK(rows > 0 && positions.size() == rows && slot_mapping.size() == rows &&
                         query_start_loc.size() == seqs + 1 && table_width > 0 &&
                         block_tables.size() == seqs * size_t(table_width),
-                    "DecodeStack.forward: ids, positions and slot_mapping need one value a row, query_start_loc "
+                    "StepModel.forward: ids, positions and slot_mapping need one value a row, query_start_loc "
                     "one more than seq_lens, block_tables table_width a sequence");
         bool prefill_chunks = false;
         for (size_t i = 0; i < seqs; i++) prefill_chunks |= query_start_loc[i + 1] - query_start_loc[i] > 1;
         for (const int64_t row : sample_rows)
-            TORCH_CHECK(row >= 0 && row < int64_t(rows), "DecodeStack.forward: sample row ", row, " is not one of the ",
+            TORCH_CHECK(row >= 0 && row < int64_t(rows), "StepModel.forward: sample row ", row, " is not one of the ",
                         rows, " rows");
         const StepMeta meta{tensor_of(positions, {int64_t(rows)}, at::kLong),
                             tensor_of(slot_mapping, {int64_t(rows)}, at::kLong),
@@ -602,7 +602,7 @@ class DecodeStack : public torch::CustomClassHolder {
         at::Tensor x = workspace_.get(Workspace::EMBEDDED, rows, embedding_.size(1), embedding_.scalar_type());
         const int64_t row_bytes = embedding_.size(1) * embedding_.element_size();
         for (int64_t r = 0; r < rows; r++) {
-            TORCH_CHECK(ids[r] >= 0 && ids[r] < vocab, "DecodeStack: token id ", ids[r], " is outside the ", vocab,
+            TORCH_CHECK(ids[r] >= 0 && ids[r] < vocab, "StepModel: token id ", ids[r], " is outside the ", vocab,
                         " embeddings");
             std::memcpy(static_cast<char*>(x.data_ptr()) + r * row_bytes,
                         static_cast<const char*>(embedding_.data_ptr()) + ids[r] * row_bytes, row_bytes);
@@ -612,7 +612,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
     at::Tensor cos_sin_, embedding_, final_norm_;
     double eps_;
-    std::vector<c10::intrusive_ptr<DecodeLayer>> layers_;
+    std::vector<c10::intrusive_ptr<StepLayer>> layers_;
     Linear head_;
     bool may_take_half_gemv_ = false;  // some linear, the head's or a layer's, is a dense one's float16 GEMV
     Workspace workspace_;
@@ -621,14 +621,14 @@ class DecodeStack : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(qrun, m) {
-    m.class_<DecodeLayer>("DecodeLayer")
+    m.class_<StepLayer>("StepLayer")
         .def(torch::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor,
                          Optional, Optional>())
-        .def("set_linear", &DecodeLayer::set_linear)
-        .def("set_cache_transforms", &DecodeLayer::set_cache_transforms);
-    m.class_<DecodeStack>("DecodeStack")
+        .def("set_linear", &StepLayer::set_linear)
+        .def("set_cache_transforms", &StepLayer::set_cache_transforms);
+    m.class_<StepModel>("StepModel")
         .def(torch::init<at::Tensor, at::Tensor, at::Tensor, double>())
-        .def("add_layer", &DecodeStack::add_layer)
-        .def("set_head", &DecodeStack::set_head)
-        .def("forward", &DecodeStack::forward);
+        .def("add_layer", &StepModel::add_layer)
+        .def("set_head", &StepModel::set_head)
+        .def("forward", &StepModel::forward);
 }

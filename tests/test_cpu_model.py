@@ -1,4 +1,4 @@
-"""Decode steps through the C++ model (qrun/cpu_decode.py): bit for bit the torch model's logits
+"""Steps through the C++ model (qrun/cpu_model.py): bit for bit the torch model's logits
 and cache, for every linear path it covers, and the torch model wherever it does not cover one."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from qrun import LLM, SamplingParams, cpu_decode
+from qrun import LLM, SamplingParams, cpu_model
 from qrun.convert.main import convert
-from qrun.cpu_decode import DecodeModel
+from qrun.cpu_model import CpuModel
 from qrun.cpu_linear import bfloat16_only, gemv_linears
 from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.argmax import first_max_ref
@@ -64,7 +64,7 @@ def step_both_ways(llm: LLM, query_lens: list[int], seed: int, half_gemv: bool =
                 tensor.normal_(generator=g)
         results = []
         for step in (lambda: model.compute_logits(model(ids, positions, meta, cache)[rows]),
-                     lambda: runner.decode_model.step(ids.tolist(), positions.tolist(), layout, half_gemv, rows)[0]):
+                     lambda: runner.cpu_model.step(ids.tolist(), positions.tolist(), layout, half_gemv, rows)[0]):
             logits = step()
             results.append((logits, [t.clone() for t in cache.tensors()]))
     return results
@@ -72,10 +72,10 @@ def step_both_ways(llm: LLM, query_lens: list[int], seed: int, half_gemv: bool =
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 2, 5])
-def test_cpu_decode_step_equals_the_torch_model_bit_for_bit(tiny_llama64_dir, dtype, batch):
+def test_cpu_model_equals_the_torch_model_bit_for_bit(tiny_llama64_dir, dtype, batch):
     """bfloat16 covers dense linears' float16 GEMV (up to two rows) and oneDNN (more)."""
     llm = engine(tiny_llama64_dir, dtype=dtype)
-    assert llm.engine.runner.decode_model is not None
+    assert llm.engine.runner.cpu_model is not None
     (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
     assert torch.equal(cpp_logits, torch_logits)
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
@@ -103,7 +103,7 @@ def engine_kept_across_examples(path) -> LLM:
 @settings(max_examples=8, deadline=None)
 @example(batches=[5, 5, 2, 1, 1, 5])
 @given(batches=st.lists(st.integers(1, 5), min_size=2, max_size=5))
-def test_cpu_decode_step_stays_exact_as_its_kept_buffers_change_size(tiny_llama64_dir, batches):
+def test_cpu_model_stays_exact_as_its_kept_buffers_change_size(tiny_llama64_dir, batches):
     """The stack keeps its buffers between steps (one engine across examples) and reallocates them
     when the rows change: a stale or shared buffer would show as a difference, and the logits a
     step returned stay as they were after the next."""
@@ -118,7 +118,7 @@ def test_cpu_decode_step_stays_exact_as_its_kept_buffers_change_size(tiny_llama6
         kept = (cpp_logits, cpp_logits.clone())
 
 
-def test_cpu_decode_step_follows_bfloat16_only(tiny_llama64_dir):
+def test_cpu_model_follows_bfloat16_only(tiny_llama64_dir):
     """The rerun of a step whose float16 GEMV overflowed: bfloat16 matmuls at one row too."""
     llm = engine(tiny_llama64_dir, dtype="bfloat16")
     with bfloat16_only(llm.engine.runner.model):
@@ -130,7 +130,7 @@ def test_cpu_decode_step_follows_bfloat16_only(tiny_llama64_dir):
 @pytest.mark.parametrize("query_lens, tile_rows, tile_dequantize_rows, dequantize_rows",
                          [([1], 0, 0, 0), ([1] * 5, 0, 0, 0), ([1] * 5, 4, 0, 0), ([1] * 5, 4, 4, 0),
                           ([1] * 5, 0, 0, 4), ([30, 1, 9], 0, 0, 0), ([30, 1, 9], 4, 4, 20)])
-def test_cpu_decode_step_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_dir, calib_file, tmp_path,
+def test_cpu_model_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_dir, calib_file, tmp_path,
                                                                      monkeypatch, query_lens, tile_rows,
                                                                      tile_dequantize_rows, dequantize_rows):
     """Rotated inputs (shared and per linear), act-order permutations, 5-8-bit groups' high digits, a
@@ -144,14 +144,14 @@ def test_cpu_decode_step_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_
     converted = tmp_path / "llama-q"
     convert(tiny_llama64_dir, converted, bits=5.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
     llm = engine(converted, dtype="bfloat16")
-    assert llm.engine.runner.decode_model is not None
+    assert llm.engine.runner.cpu_model is not None
     (torch_logits, torch_cache), (cpp_logits, cpp_cache) = step_both_ways(llm, query_lens, seed=len(query_lens))
     assert torch.equal(cpp_logits, torch_logits)
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
 @pytest.mark.skipif(not cpu_quant_matmul.available(), reason="the 4-bit C++ matmul needs AVX512-VNNI")
-def test_cpu_decode_step_runs_a_quantized_head_as_the_torch_model(calib_file, tmp_path):
+def test_cpu_model_runs_a_quantized_head_as_the_torch_model(calib_file, tmp_path):
     """A vocabulary of a multiple of 16 gives the head the VNNI kernel's planes (the tiny models' 300
     take the bfloat16 fallback): its two input digits and its high plane."""
     checkpoint = make_tiny_checkpoint(tmp_path / "llama", "llama", head_dim=64, vocab_size=320)
@@ -169,12 +169,12 @@ def test_cpu_decode_step_runs_a_quantized_head_as_the_torch_model(calib_file, tm
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("query_lens", [[1], [1] * 5, [20, 1, 7]])
-def test_cpu_decode_step_stores_and_reads_a_quantized_cache_as_the_torch_model(tiny_llama64_dir, kv_cache_dtype,
+def test_cpu_model_stores_and_reads_a_quantized_cache_as_the_torch_model(tiny_llama64_dir, kv_cache_dtype,
                                                                                  dtype, query_lens):
     """Keys centred and rotated, K and V quantized into the cache (same bytes, same scales); decode rows and a
     prefill chunk's."""
     llm = engine(tiny_llama64_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    assert llm.engine.runner.decode_model is not None
+    assert llm.engine.runner.cpu_model is not None
     assert llm.engine.runner.kv_cache.layers[0].k_mean is not None
     (torch_logits, torch_cache), (cpp_logits, cpp_cache) = step_both_ways(llm, query_lens, seed=len(query_lens))
     assert torch.equal(cpp_logits, torch_logits)
@@ -183,14 +183,14 @@ def test_cpu_decode_step_stores_and_reads_a_quantized_cache_as_the_torch_model(t
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_cpu_decode_step_gives_each_rows_greedy_token_and_minus_one_where_its_logits_are_not_finite(
+def test_cpu_model_gives_each_rows_greedy_token_and_minus_one_where_its_logits_are_not_finite(
         tiny_llama64_dir, dtype, poison):
     """The engine's finiteness check and greedy sampling take these instead of passes of their own."""
     runner = engine(tiny_llama64_dir, dtype=dtype).engine.runner
     layout = StepLayout.of([(0, 1)] * 3, [[1], [2], [3]], runner.block_size)
     with torch.inference_mode():
         runner.model.embed_tokens.weight[6] = poison  # the middle row's token: its row alone goes non-finite
-        logits, first_max = runner.decode_model.step([5, 6, 7], [0, 0, 0], layout)
+        logits, first_max = runner.cpu_model.step([5, 6, 7], [0, 0, 0], layout)
     assert not logits[1].isfinite().all() and logits[[0, 2]].isfinite().all()
     assert first_max == [first_max_ref(logits[:1]).item(), -1, first_max_ref(logits[2:]).item()]
 
@@ -201,18 +201,18 @@ def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
     layout = StepLayout.of([(0, 1)], [[1]], runner.block_size)
     refused = f"token id {vocab} is outside the {vocab} embeddings"
     with torch.inference_mode(), pytest.raises(RuntimeError, match=refused):
-        runner.decode_model.step([vocab], [0], layout)
+        runner.cpu_model.step([vocab], [0], layout)
 
 
 def test_a_step_layout_that_does_not_fit_its_rows_is_refused_naming_what_must_match(tiny_llama64_dir):
     runner = engine(tiny_llama64_dir).engine.runner
     layout = StepLayout.of([(0, 1)], [[1]], runner.block_size)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="need one value a row"):
-        runner.decode_model.step([5], [0, 1], layout)
+        runner.cpu_model.step([5], [0, 1], layout)
 
 
 def test_heads_without_a_cpp_attention_keep_the_torch_model(tiny_llama_dir):
-    assert engine(tiny_llama_dir).engine.runner.decode_model is None  # heads of 16
+    assert engine(tiny_llama_dir).engine.runner.cpu_model is None  # heads of 16
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -226,14 +226,14 @@ def test_decode_steps_read_the_stream_count_under_which_timed_steps_ran_fastest(
         path, kind = tmp_path / "llama-q", vnni_matmuls
         convert(tiny_llama64_dir, path, bits=4.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
     builds = []  # (the read streams of the kind's products, the step built with them)
-    build = DecodeModel.build.__func__
+    build = CpuModel.build.__func__
 
     def recorded(cls, model, kv_cache):
         step = build(cls, model, kv_cache)
         builds.append(({module.read_streams for module in kind(model)}, step))
         return step
 
-    monkeypatch.setattr(DecodeModel, "build", classmethod(recorded))
+    monkeypatch.setattr(CpuModel, "build", classmethod(recorded))
     timed = []
 
     def second_fastest(sweep, repeats):
@@ -242,24 +242,24 @@ def test_decode_steps_read_the_stream_count_under_which_timed_steps_ran_fastest(
             timed.append(streams)
         return READ_STREAMS[1]
 
-    monkeypatch.setattr(cpu_decode, "fastest_read_streams", second_fastest)
+    monkeypatch.setattr(cpu_model, "fastest_read_streams", second_fastest)
     runner = engine(path, dtype="bfloat16").engine.runner
     chosen = {READ_STREAMS[1]}
     assert kind(runner.model) and {module.read_streams for module in kind(runner.model)} == chosen
     assert timed == list(READ_STREAMS)
-    assert [step is runner.decode_model for streams, step in builds if streams == chosen] == [True]
+    assert [step is runner.cpu_model for streams, step in builds if streams == chosen] == [True]
 
 
 def test_a_model_the_decode_step_does_not_cover_times_its_products_one_call_each(tiny_llama_dir, monkeypatch):
     measured = []
-    monkeypatch.setattr(cpu_decode, "measure_read_streams", lambda model: measured.append("vnni"))
-    monkeypatch.setattr(cpu_decode, "measure_gemv_read_streams", lambda model: measured.append("gemv"))
-    assert engine(tiny_llama_dir, dtype="bfloat16").engine.runner.decode_model is None  # heads of 16
+    monkeypatch.setattr(cpu_model, "measure_read_streams", lambda model: measured.append("vnni"))
+    monkeypatch.setattr(cpu_model, "measure_gemv_read_streams", lambda model: measured.append("gemv"))
+    assert engine(tiny_llama_dir, dtype="bfloat16").engine.runner.cpu_model is None  # heads of 16
     assert measured == ["vnni", "gemv"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
-def test_an_engine_on_the_cpu_decode_step_generates_the_torch_models_tokens(tiny_llama64_dir, monkeypatch,
+def test_an_engine_on_the_cpu_model_generates_the_torch_models_tokens(tiny_llama64_dir, monkeypatch,
                                                                           kv_cache_dtype):
     """Prefill, chunked prefill and decode steps interleaved over many sequences."""
     g = torch.Generator().manual_seed(1)
@@ -268,7 +268,7 @@ def test_an_engine_on_the_cpu_decode_step_generates_the_torch_models_tokens(tiny
     options = dict(dtype="bfloat16", max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
     cpp = engine(tiny_llama64_dir, **options)
     got = [out.outputs[0].token_ids for out in cpp.generate(prompts, params, progress=False)]
-    monkeypatch.setattr(DecodeModel, "build", classmethod(lambda cls, model, kv_cache: None))
+    monkeypatch.setattr(CpuModel, "build", classmethod(lambda cls, model, kv_cache: None))
     expected = [out.outputs[0].token_ids for out in engine(tiny_llama64_dir, **options).generate(
         prompts, params, progress=False)]
     assert got == expected

@@ -1,4 +1,4 @@
-"""Steps on the CPU in one C++ call (`kernels/cpu_decode_layer.cpp`): the embedding, every
+"""Steps on the CPU in one C++ call (`kernels/cpu_model.cpp`): the embedding, every
 decoder layer, the final norm and the head.
 
 At one to a few sequences a decode step is bound by per-op overhead, not by the matmuls: eager, a
@@ -37,13 +37,13 @@ from qrun.kv_cache import KVCache, LayerKV
 from qrun.model import DecoderLayer, StepLayout, Transformer
 from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear, measure_read_streams, vnni_matmuls
 
-# Linear kinds of cpu_decode_layer.cpp
+# Linear kinds of cpu_model.cpp
 QUANT, DENSE, HALF_GEMV, HALF_GEMV_PACKED, DEQUANTIZED = range(5)
 _SLOTS = ("qkv", "o", "gate_up", "down")
 
 
 def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
-    """`DecodeLayer.set_linear`'s arguments after the slot for `module` reading an input rotated
+    """`StepLayer.set_linear`'s arguments after the slot for `module` reading an input rotated
     by `rotation` (an InputRotation or nn.Identity), or None where the C++ layer has no path."""
     if isinstance(module, QuantLinear):
         if module.rotates_input:
@@ -78,7 +78,7 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
 
 
 def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | None:
-    """The C++ decode step of `layer` over `cache`, or None where it does not cover them."""
+    """The C++ step of `layer` over `cache`, or None where it does not cover them."""
     attn, mlp = layer.self_attn, layer.mlp
     dtype = layer.input_layernorm.weight.dtype
     cache_tensors = [t for t in (cache.k, cache.v, cache.k_scales, cache.v_scales) if t is not None]
@@ -91,7 +91,7 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
                _linear(mlp.gate_up_proj, mlp.gate_up_input), _linear(mlp.down_proj, nn.Identity())]
     if any(lin is None for lin in linears):
         return None
-    fused = torch.classes.qrun.DecodeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+    fused = torch.classes.qrun.StepLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                             layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
                                             attn.head_dim, attn.scale, cache.k, cache.v, cache.k_scales,
                                             cache.v_scales)
@@ -103,15 +103,15 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     return fused
 
 
-class DecodeModel:
-    """A model's decode step in one C++ call: the embedding, every layer, the final norm and the head."""
+class CpuModel:
+    """A model's step in one C++ call: the embedding, every layer, the final norm and the head."""
 
     def __init__(self, stack: torch.ScriptObject):
         self.stack = stack
 
     @classmethod
-    def build(cls, model: Transformer, kv_cache: KVCache) -> "DecodeModel | None":
-        """The C++ decode step of `model` over `kv_cache`, or None when the library is not built here
+    def build(cls, model: Transformer, kv_cache: KVCache) -> "CpuModel | None":
+        """The C++ model of `model` over `kv_cache`, or None when the library is not built here
         or some layer or the head is not covered (the step then runs the torch layers)."""
         if not cpu_library.available():
             return None
@@ -121,7 +121,7 @@ class DecodeModel:
         if (any(fused is None for fused in layers) or head is None or embedding.dim() != 2
                 or not embedding.is_contiguous() or embedding.dtype != model.norm.weight.dtype):
             return None
-        stack = torch.classes.qrun.DecodeStack(model.cos_sin, embedding, model.norm.weight, model.norm.eps)
+        stack = torch.classes.qrun.StepModel(model.cos_sin, embedding, model.norm.weight, model.norm.eps)
         for fused in layers:
             stack.add_layer(fused)
         stack.set_head(*head)
@@ -150,8 +150,8 @@ TUNING_SECONDS = 0.5
 TUNING_STEPS = 2
 
 
-def fastest_decode_model(model: Transformer, kv_cache: KVCache) -> DecodeModel | None:
-    """`DecodeModel.build`, with each kind of one-row product (the VNNI kernel's, the float16 GEMV's) reading the count
+def fastest_cpu_model(model: Transformer, kv_cache: KVCache) -> CpuModel | None:
+    """`CpuModel.build`, with each kind of one-row product (the VNNI kernel's, the float16 GEMV's) reading the count
     of weight streams (`kernels/read_streams.py`) under which a batch-1 step runs fastest on this machine, timed on the
     step itself: there the products run back to back on a held team of threads, which one call at a time does not
     show (on a 2-core EPYC the products timed one call each chose 4 streams for the VNNI kernel, under which 128-token
@@ -160,7 +160,7 @@ def fastest_decode_model(model: Transformer, kv_cache: KVCache) -> DecodeModel |
 
     Run before the engine takes requests: the timed steps write one token's keys and values to block 0's first slot,
     which holds nothing yet."""
-    built = DecodeModel.build(model, kv_cache)
+    built = CpuModel.build(model, kv_cache)
     if built is None:
         measure_read_streams(model)
         measure_gemv_read_streams(model)
@@ -169,11 +169,11 @@ def fastest_decode_model(model: Transformer, kv_cache: KVCache) -> DecodeModel |
     for kind in (vnni_matmuls(model), gemv_linears(model)):
         if not kind:
             continue
-        steps: dict[int, DecodeModel] = {}
+        steps: dict[int, CpuModel] = {}
         for streams in READ_STREAMS:
             for module in kind:
                 module.read_streams = streams
-            steps[streams] = DecodeModel.build(model, kv_cache)
+            steps[streams] = CpuModel.build(model, kv_cache)
 
         def sweep(streams: int) -> None:
             for _ in range(TUNING_STEPS):
