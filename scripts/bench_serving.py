@@ -2,8 +2,9 @@
 """Serving benchmark: one workload through qrun and its peers in one run, interleaved.
 
 Every system gets the same requests (greedy, EOS ignored, each request's `max_tokens` exact) and
-thread count; the peers read the same GGUF (transformers dequantizes it, llama.cpp requantizes a
-copy when asked for another type). The whole batch is submitted at once: TTFT and end-to-end
+thread count, the systems taking turns within each repeat (every other repeat in reverse order); the
+peers read the same GGUF (transformers dequantizes it, llama.cpp requantizes a copy when asked for
+another type). The whole batch is submitted at once: TTFT and end-to-end
 latency count from that submission. Then each system decodes one request alone (--single-stream),
 and a roofline line relates the bytes a batch-1 decode step reads to the rate the machine reads
 that many bytes again and again (its cache's where they fit, else memory's).
@@ -612,6 +613,21 @@ def ratio_table(summary: list[dict]) -> str:
     return _table(rows)
 
 
+def repeat_order(order: list[str], repeat: int) -> list[str]:
+    """The systems' turns in a repeat: every other repeat in reverse, so a machine that drifts through the run
+    favours no place in the order."""
+    return order if repeat % 2 == 0 else order[::-1]
+
+
+def repeat_ratios(runs: dict[str, list[dict]], order: list[str]) -> str:
+    """Each system's batched tok/s over the first's, repeat by repeat: within a repeat the systems ran back to back,
+    so these show how far the machine moved the ratio between repeats."""
+    base = runs[order[0]]
+    return f"batched tok/s per repeat, x {order[0]}'s: " + "; ".join(
+        f"{name} " + ", ".join(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" for a, b in zip(runs[name], base))
+        for name in order[1:])
+
+
 def roofline_table(summary: list[dict], step_bytes: dict[str, int], step_bandwidths: dict[str, list[float]],
                    bandwidths: list[float]) -> str:
     """Bytes a batch-1 decode step reads (weights + the single stream's mean context) times the measured decode rate,
@@ -682,13 +698,14 @@ def main(argv=None) -> int:
     step_bandwidths: dict[str, list[float]] = {name: [] for name in step_bytes}
     with busy_cores(args.busy_cores):
         for rep in range(args.repeats):
-            for name in order:
+            turn = repeat_order(order, rep)
+            for name in turn:
                 result = systems[name].run(requests)
                 result["repeat"] = rep
                 runs[name].append(result)
                 print(f"[{name}] repeat {rep}: {result['tokens_per_s']:.1f} tok/s, wall {result['wall_s']:.2f}s, "
                       f"TTFT p50 {result['ttft_p50_s']:.2f}s", flush=True)
-            for name in order if stream else ():
+            for name in turn if stream else ():
                 systems[name].ids = None
                 one = systems[name].run(stream)
                 systems[name].ids = None
@@ -715,6 +732,7 @@ def main(argv=None) -> int:
               f"alloc/ceil {base['kv_alloc_over_ceil']:.3f}) of {base['kv_blocks_total']} blocks")
     print()
     print(ratio_table(summary))
+    print(repeat_ratios(runs, order))
     if first_use:
         base_ttft = first_use[order[0]]
         print(f"\nfirst use (the warm-up's {args.warmup} requests on a fresh system), TTFT p50 and x {order[0]}'s: "

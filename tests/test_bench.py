@@ -71,14 +71,28 @@ def test_a_run_whose_read_bandwidth_swings_is_flagged_as_not_quiet():
     assert warning and "28.6-49.4 GB/s" in warning and "not quiet" in warning
 
 
-def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
-    """A step whose bytes fit the last-level cache reads them faster than memory gives: its roofline is the rate
-    measured over that many bytes, not over a buffer past the caches."""
+def load_bench_serving():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
     bench_serving = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_serving)
+    return bench_serving
+
+
+def test_systems_take_turns_in_reverse_every_other_repeat_and_each_repeats_ratio_is_shown():
+    bench_serving = load_bench_serving()
+    assert [bench_serving.repeat_order(["a", "b", "c"], r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"],
+                                                                                  ["a", "b", "c"]]
+    runs = {"a": [{"tokens_per_s": 100.0}, {"tokens_per_s": 80.0}],
+            "b": [{"tokens_per_s": 125.0}, {"tokens_per_s": 80.0}]}
+    assert bench_serving.repeat_ratios(runs, ["a", "b"]) == "batched tok/s per repeat, x a's: b 1.25x, 1.00x"
+
+
+def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
+    """A step whose bytes fit the last-level cache reads them faster than memory gives: its roofline is the rate
+    measured over that many bytes, not over a buffer past the caches."""
+    bench_serving = load_bench_serving()
     summary = [{"system": "small", "single_stream_tok_s": 210.0}, {"system": "large", "single_stream_tok_s": 49.0}]
     table = bench_serving.roofline_table(summary, {"small": 100e6, "large": 300e6},
                                          {"small": [40e9, 42e9], "large": [20e9, 21e9]}, [20e9, 21e9])
