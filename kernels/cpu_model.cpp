@@ -4,7 +4,7 @@
 // The step is the eager model's, op for op, rounding where eager rounds, so its results are eager's bit for bit:
 // rotary and the cache write are a loop here; dense matmuls are torch's ops called from C++; the norms, the 4-bit
 // matmul, the rotation, the attention and the SiLU-gated activation are the library's kernels, as in the eager layer,
-// called directly (cpu_ops.h) with outputs in the stack's Workspace.
+// called directly (cpu_ops.h) with outputs in the StepModel's Workspace.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -65,14 +65,14 @@ struct Cache {
     Optional k_scales, v_scales;
 };
 
-// The step's inputs every layer reads, converted once for the stack: positions and slots int64, the rest int32;
+// The step's inputs every layer reads, converted once for the StepModel: positions and slots int64, the rest int32;
 // whether some sequence has more than one query (a prefill chunk).
 struct StepMeta {
     at::Tensor positions, slot_mapping, block_tables, seq_lens, query_start_loc;
     bool prefill_chunks;
 };
 
-// The tensors a decode step writes, kept by the stack between steps and shared by its layers, which run in turn. At
+// The tensors a step writes, kept by the model between steps and shared by its layers, which run in turn. At
 // one row a fresh tensor for each op's output cost ~1-2 us (~20 a layer), as much as the norms' and the activation's
 // arithmetic many times over. A buffer is reallocated only when its rows or dtype change; `width` tells apart the
 // uses of one slot by linears of other shapes (a rotated input of 576 values or of 1536).
@@ -465,7 +465,7 @@ class StepLayer : public torch::CustomClassHolder {
 // The model's step in one call: the embedding, every decoder layer in order, the final norm and the head. A
 // call from Python costs ~25 us, and each torch op around the layers as much again (the embedding, the norm and the
 // head's module chain: ~0.15 ms of a ~4.5 ms 4.0-bpw SmolLM2 step at batch 1). It keeps the layers' workspace, so one
-// stack runs one step at a time (an engine's).
+// StepModel runs one step at a time (an engine's).
 class StepModel : public torch::CustomClassHolder {
   public:
     // cos_sin: the model's table (qrun/model.py's Transformer.cos_sin); embedding [vocab, hidden] and final_norm in

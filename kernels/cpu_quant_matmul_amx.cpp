@@ -81,9 +81,9 @@ struct Problem {
 
 // Tiles 0-3 += rows m0 .. m0 + 32 of x's inputs in blocks [first, first + blocks) times `blocks` B operands from w0
 // (channel tile t0's) and w1 (t0 + 1's); after(b) once block b's products are issued (the tile unit works on them
-// meanwhile). The weights load with the streaming hint (tileloaddt1), which leaves L1 to the x rows they meet: the
-// 4.0-bpw SmolLM2's 120 layer linears on a 2-core Xeon, variants alternating in one process, 1.13x at 16 rows,
-// 1.08x at 32, 1.06x at 64, 1.15x at 128, 1.18x at 512 (x streamed instead: 1.02-1.17x; both: 1.02-1.12x); the
+// meanwhile). The weights load with the streaming hint (tileloaddt1), which leaves L1 to the x rows they meet (one-off
+// probes on a 2-core Xeon, variants alternating in one process): the 4.0-bpw SmolLM2's 120 layer linears 1.13x at 16
+// rows, 1.08x at 32, 1.06x at 64, 1.15x at 128, 1.18x at 512 (x streamed instead: 1.02-1.17x; both: 1.02-1.12x); the
 // prefill of 64 prompts through the engine 1.03x.
 template <bool two_tiles, bool two_row_tiles, typename After>
 void multiply_blocks(const Problem& p, const uint8_t* w0, const uint8_t* w1, int64_t first, int64_t blocks,

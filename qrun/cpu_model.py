@@ -106,8 +106,8 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
 class CpuModel:
     """A model's step in one C++ call: the embedding, every layer, the final norm and the head."""
 
-    def __init__(self, stack: torch.ScriptObject):
-        self.stack = stack
+    def __init__(self, step_model: torch.ScriptObject):
+        self.step_model = step_model  # torch.classes.qrun.StepModel
 
     @classmethod
     def build(cls, model: Transformer, kv_cache: KVCache) -> "CpuModel | None":
@@ -121,11 +121,11 @@ class CpuModel:
         if (any(fused is None for fused in layers) or head is None or embedding.dim() != 2
                 or not embedding.is_contiguous() or embedding.dtype != model.norm.weight.dtype):
             return None
-        stack = torch.classes.qrun.StepModel(model.cos_sin, embedding, model.norm.weight, model.norm.eps)
+        step_model = torch.classes.qrun.StepModel(model.cos_sin, embedding, model.norm.weight, model.norm.eps)
         for fused in layers:
-            stack.add_layer(fused)
-        stack.set_head(*head)
-        return cls(stack)
+            step_model.add_layer(fused)
+        step_model.set_head(*head)
+        return cls(step_model)
 
     def step(self, ids: list[int], positions: list[int], layout: StepLayout, half_gemv: bool = True,
              sample_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -139,7 +139,7 @@ class CpuModel:
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
         case); a step in which one passes float16's range runs again without it, in the same call."""
         rows = list(range(len(ids))) if sample_rows is None else sample_rows
-        return self.stack.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
+        return self.step_model.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
                                   layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
 

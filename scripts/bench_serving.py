@@ -4,8 +4,8 @@
 Every system gets the same requests (greedy, EOS ignored, each request's `max_tokens` exact) and
 thread count, the systems taking turns within each repeat (every other repeat in reverse order); the
 peers read the same GGUF (transformers dequantizes it, llama.cpp requantizes a copy when asked for
-another type). The whole batch is submitted at once: TTFT and end-to-end
-latency count from that submission. Then each system decodes one request alone (--single-stream),
+another type). The whole batch is submitted at once: TTFT and end-to-end latency count from that
+submission. Then each system decodes one request alone (--single-stream),
 and a roofline line relates the bytes a batch-1 decode step reads to the rate the machine reads
 that many bytes again and again (its cache's where they fit, else memory's).
 
@@ -622,6 +622,8 @@ def repeat_order(order: list[str], repeat: int) -> list[str]:
 def repeat_ratios(runs: dict[str, list[dict]], order: list[str]) -> str:
     """Each system's batched tok/s over the first's, repeat by repeat: within a repeat the systems ran back to back,
     so these show how far the machine moved the ratio between repeats."""
+    if len(order) < 2:
+        return ""
     base = runs[order[0]]
     return f"batched tok/s per repeat, x {order[0]}'s: " + "; ".join(
         f"{name} " + ", ".join(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" for a, b in zip(runs[name], base))
@@ -732,7 +734,8 @@ def main(argv=None) -> int:
               f"alloc/ceil {base['kv_alloc_over_ceil']:.3f}) of {base['kv_blocks_total']} blocks")
     print()
     print(ratio_table(summary))
-    print(repeat_ratios(runs, order))
+    if len(order) > 1:
+        print(repeat_ratios(runs, order))
     if first_use:
         base_ttft = first_use[order[0]]
         print(f"\nfirst use (the warm-up's {args.warmup} requests on a fresh system), TTFT p50 and x {order[0]}'s: "
