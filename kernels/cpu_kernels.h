@@ -1,7 +1,7 @@
 // The plain C++ kernels' entry points (cpu_activation.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
 // cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp,
 // which makes them torch ops (the C++ model calls those); their Python modules document the arguments. And what
-// the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads (a decode
+// the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads (a
 // step's team, else an OpenMP region).
 
 #pragma once
@@ -40,7 +40,7 @@ inline int qrun_with_kind(int kind, const F& f) {
     return 0;
 }
 
-// A decode step's threads held as one team from its first op to its last: the calling thread runs the step, the
+// A step's threads held as one team from its first op to its last: the calling thread runs the step, the
 // others wait in a spin loop for each kernel's share. Handing a share over costs a cache line's round trip between the
 // cores (~0.06 us on one core complex of a 2-core EPYC VM, ~0.35 us across two), against ~1.1-1.6 us for a libgomp
 // region across two; a step at batch 1 enters ~150. Over SmolLM2's 30 layers of 4-bit products at one row (a C++

@@ -221,8 +221,8 @@ inline void rotary(const T* x, const float* cos, const float* sin, int64_t dim, 
 class StepLayer : public torch::CustomClassHolder {
   public:
     StepLayer(at::Tensor input_norm, at::Tensor post_attention_norm, double eps, int64_t num_heads,
-                int64_t num_kv_heads, int64_t head_dim, double scale, at::Tensor k_cache, at::Tensor v_cache,
-                Optional k_scales, Optional v_scales)
+              int64_t num_kv_heads, int64_t head_dim, double scale, at::Tensor k_cache, at::Tensor v_cache,
+              Optional k_scales, Optional v_scales)
         : input_norm_(std::move(input_norm)), post_attention_norm_(std::move(post_attention_norm)), eps_(eps),
           num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale),
           cache_{std::move(k_cache), std::move(v_cache), std::move(k_scales), std::move(v_scales)} {}

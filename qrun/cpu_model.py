@@ -92,9 +92,9 @@ def build_layer(layer: DecoderLayer, cache: LayerKV) -> torch.ScriptObject | Non
     if any(lin is None for lin in linears):
         return None
     fused = torch.classes.qrun.StepLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                            layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
-                                            attn.head_dim, attn.scale, cache.k, cache.v, cache.k_scales,
-                                            cache.v_scales)
+                                         layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
+                                         attn.head_dim, attn.scale, cache.k, cache.v, cache.k_scales,
+                                         cache.v_scales)
     for slot, args in enumerate(linears):
         fused.set_linear(slot, *args)
     odd = None if cache.rotation_factors is None else odd_factor(cache.rotation_factors)
@@ -139,8 +139,8 @@ class CpuModel:
         bfloat16 linears may take their float16 GEMV path (`cpu_linear.bfloat16_only` is the other
         case); a step in which one passes float16's range runs again without it, in the same call."""
         rows = list(range(len(ids))) if sample_rows is None else sample_rows
-        return self.step_model.forward(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
-                                  layout.seq_lens, layout.query_start_loc, rows, half_gemv)
+        return self.step_model.forward(ids, positions, layout.slot_mapping, layout.block_tables,
+                                       layout.table_width, layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
 
 # Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams (SmolLM2 takes

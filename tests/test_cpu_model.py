@@ -104,7 +104,7 @@ def engine_kept_across_examples(path) -> LLM:
 @example(batches=[5, 5, 2, 1, 1, 5])
 @given(batches=st.lists(st.integers(1, 5), min_size=2, max_size=5))
 def test_cpu_model_stays_exact_as_its_kept_buffers_change_size(tiny_llama64_dir, batches):
-    """The stack keeps its buffers between steps (one engine across examples) and reallocates them
+    """The C++ model keeps its buffers between steps (one engine across examples) and reallocates them
     when the rows change: a stale or shared buffer would show as a difference, and the logits a
     step returned stay as they were after the next."""
     llm = engine_kept_across_examples(tiny_llama64_dir)
@@ -131,8 +131,8 @@ def test_cpu_model_follows_bfloat16_only(tiny_llama64_dir):
                          [([1], 0, 0, 0), ([1] * 5, 0, 0, 0), ([1] * 5, 4, 0, 0), ([1] * 5, 4, 4, 0),
                           ([1] * 5, 0, 0, 4), ([30, 1, 9], 0, 0, 0), ([30, 1, 9], 4, 4, 20)])
 def test_cpu_model_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_dir, calib_file, tmp_path,
-                                                                     monkeypatch, query_lens, tile_rows,
-                                                                     tile_dequantize_rows, dequantize_rows):
+                                                              monkeypatch, query_lens, tile_rows,
+                                                              tile_dequantize_rows, dequantize_rows):
     """Rotated inputs (shared and per linear), act-order permutations, 5-8-bit groups' high digits, a
     quantized head; and on AMX CPUs the tile kernel (codes or weights mode) or oneDNN on the dequantized weights, by
     the rows (forced here); decode rows, and prefill chunks beside them."""
@@ -170,7 +170,7 @@ def test_cpu_model_runs_a_quantized_head_as_the_torch_model(calib_file, tmp_path
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("query_lens", [[1], [1] * 5, [20, 1, 7]])
 def test_cpu_model_stores_and_reads_a_quantized_cache_as_the_torch_model(tiny_llama64_dir, kv_cache_dtype,
-                                                                                 dtype, query_lens):
+                                                                          dtype, query_lens):
     """Keys centred and rotated, K and V quantized into the cache (same bytes, same scales); decode rows and a
     prefill chunk's."""
     llm = engine(tiny_llama64_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
@@ -260,7 +260,7 @@ def test_a_model_the_decode_step_does_not_cover_times_its_products_one_call_each
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
 def test_an_engine_on_the_cpu_model_generates_the_torch_models_tokens(tiny_llama64_dir, monkeypatch,
-                                                                          kv_cache_dtype):
+                                                                     kv_cache_dtype):
     """Prefill, chunked prefill and decode steps interleaved over many sequences."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (7,), generator=g)]
