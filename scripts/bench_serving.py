@@ -15,6 +15,8 @@ that many bytes again and again (its cache's where they fit, else memory's).
     python scripts/bench_serving.py --workload ../shared/data/workloads/shared_prefix.jsonl \
         --num-requests 64 --systems qrun,qrun_noprefix
     python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun --profile
+    python scripts/bench_serving.py --num-requests 1 --single-stream-depth 2048 \
+        --systems qrun,qrun@out/smol-4.0,llamacpp@f16,llamacpp@q4_0   # single streams after a long context
     python scripts/bench_serving.py --num-requests 64 --kv-cache-memory 114e6 --single-stream 0 \
         --systems qrun+bfloat16,qrun+int8,qrun+int4   # a cache for ~25% of these requests' tokens in bfloat16
 
@@ -535,12 +537,17 @@ def parse_args(argv=None):
                     help="qrun kv_cache_memory: bytes (> 1) or a fraction of free memory (default: engine's)")
     ap.add_argument("--single-stream", type=int, default=128,
                     help="then decode one request of this many tokens alone per system (0: skip)")
+    ap.add_argument("--single-stream-depth", type=int, default=0,
+                    help="the single stream decodes after this many tokens of context, the workload's prompts "
+                         "joined (llama-bench's depth; 0: the first request's prompt alone)")
     ap.add_argument("--busy-cores", type=int, default=0,
                     help="keep this many cores busy with spinning processes while measuring")
     ap.add_argument("--json", default=None, help="write every run and the medians here")
     ap.add_argument("--profile", action="store_true", help="profile a few qrun engine steps")
     ap.add_argument("--profile-steps", type=int, default=8)
     args = ap.parse_args(argv)
+    if args.single_stream_depth < 0:
+        ap.error(f"--single-stream-depth {args.single_stream_depth}: give a number of tokens, 0 or more")
     if args.kv_cache_memory is not None and args.kv_cache_memory > 1:
         args.kv_cache_memory = int(args.kv_cache_memory)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -590,6 +597,19 @@ def build_system(spec: str, args, path: Path, requests: list[BenchRequest], buil
         return LlamaCppSystem(spec, llamacpp_variant(path, variant or None), threads=args.threads, n_ctx=n_ctx,
                               n_batch=args.max_batch_tokens, n_seq_max=args.max_num_seqs)
     raise SystemExit(f"unknown system {spec!r}; choose from {', '.join(ALL_SYSTEMS)}")
+
+
+def deep_prompt(requests: list[BenchRequest], tokenizer, tokens: int) -> str:
+    """The requests' prompts joined as paragraphs (round again where they run out), cut to `tokens` tokens of
+    `tokenizer` (qrun's): a context for the single stream to decode after, as llama-bench's depth. Each system
+    encodes the text itself, so a peer's count may differ by a token at the cut."""
+    round_of_prompts = "".join(r.prompt + "\n\n" for r in requests)
+    if not round_of_prompts.strip():
+        raise ValueError("the workload's prompts are empty: no text to make a deep context from")
+    text = round_of_prompts
+    while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
+        text += round_of_prompts
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -692,7 +712,14 @@ def main(argv=None) -> int:
 
     runs: dict[str, list[dict]] = {name: [] for name in order}
     single: dict[str, list[float]] = {name: [] for name in order}
-    stream = [BenchRequest("single", requests[0].prompt, args.single_stream)] if args.single_stream else []
+    prompt = requests[0].prompt
+    if args.single_stream and args.single_stream_depth:
+        qrun_system = next((systems[name] for name in order if isinstance(systems[name], QrunSystem)), None)
+        if qrun_system is None:
+            raise SystemExit("--single-stream-depth cuts its context with qrun's tokenizer: name a qrun system")
+        prompt = deep_prompt(requests, qrun_system.llm.tokenizer, args.single_stream_depth)
+    stream = [BenchRequest("single", prompt, args.single_stream)] if args.single_stream else []
+    depth = f" after {args.single_stream_depth} tokens of context" if args.single_stream_depth else ""
     bandwidths: list[float] = []  # one reading past the caches after each repeat's single streams
     # each system's batch-1 step bytes (`roofline_table`), and a reading of that many after each repeat
     step_bytes = {name: systems[name].decode_bytes(stream[0].prompt, args.single_stream // 2)
@@ -712,8 +739,8 @@ def main(argv=None) -> int:
                 one = systems[name].run(stream)
                 systems[name].ids = None
                 single[name].append((args.single_stream - 1) / (one["e2e_p50_s"] - one["ttft_p50_s"]))
-                print(f"[{name}] single stream {args.single_stream} tokens: {single[name][-1]:.1f} tok/s decode",
-                      flush=True)
+                print(f"[{name}] single stream {args.single_stream} tokens{depth}: {single[name][-1]:.1f} tok/s "
+                      "decode", flush=True)
             if stream:
                 bandwidths.append(measure_read_bandwidth())
                 for name, size in step_bytes.items():

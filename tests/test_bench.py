@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from qrun import LLM
 from qrun.bench import BenchRequest, run_qrun
 
@@ -100,6 +102,21 @@ def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
     assert rows["small"][1:] == ["100.0", "42.0", "420.0", "210.0", "50%"]
     assert rows["large"][1:] == ["300.0", "21.0", "70.0", "49.0", "70%"]
     assert "past the caches 21.0 GB/s" in table
+
+
+def test_a_deep_single_stream_context_is_the_workloads_prompts_cut_to_the_depth(tiny_llama_dir):
+    from qrun.tokenizer import Tokenizer
+
+    bench_serving = load_bench_serving()
+    tokenizer = Tokenizer.from_folder(tiny_llama_dir, [])
+    requests = [BenchRequest("a", "The cat sat on the mat.", 8), BenchRequest("b", "A dog ran far away.", 8)]
+    one_round = len(tokenizer.encode("The cat sat on the mat.\n\nA dog ran far away.\n\n", add_special_tokens=False))
+    depth = 3 * one_round + 5  # past three rounds of the prompts
+    text = bench_serving.deep_prompt(requests, tokenizer, depth)
+    assert abs(len(tokenizer.encode(text, add_special_tokens=False)) - depth) <= 1
+    assert text.startswith("The cat sat on the mat.") and text.count("A dog ran far away.") == 3
+    with pytest.raises(ValueError, match="prompts are empty"):
+        bench_serving.deep_prompt([BenchRequest("e", " ", 8)], tokenizer, 10)
 
 
 def test_a_prefill_profile_labels_the_cpu_products_and_counts_the_librarys_ops_as_torch_ops(tiny_llama_dir):
