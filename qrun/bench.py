@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from qrun.atomic import atomic_write_text
 from qrun.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -361,4 +362,4 @@ def run_bench(args) -> None:
     result = aggregate([run_qrun(llm, requests, prompt_token_ids=ids) for _ in range(max(1, args.repeats))])
     print(format_table([result]))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        atomic_write_text(args.json, json.dumps(result, indent=2))

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
 
+from qrun.atomic import atomic_write_text
 from qrun.errors import QrunError, RequestFailed
 from qrun.sampling_params import SamplingParams
 from qrun.tokenizer import chat_messages
@@ -187,7 +188,7 @@ class ChatApp:
         elif name == "/save":
             if not rest:
                 raise ValueError("usage: /save FILE")
-            Path(rest).expanduser().write_text(json.dumps(session.to_json(), indent=2, ensure_ascii=False))
+            atomic_write_text(Path(rest).expanduser(), json.dumps(session.to_json(), indent=2, ensure_ascii=False))
             self.console.print(f"[dim]saved {len(session.messages)} messages to {rest}[/dim]", highlight=False)
         elif name == "/load":
             if not rest:

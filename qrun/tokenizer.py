@@ -11,6 +11,7 @@ import tokenizers
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from qrun.atomic import atomic_write_text
 from qrun.errors import ModelLoadError, QrunError, one_line
 from qrun.sources import read_json_object
 
@@ -123,9 +124,9 @@ class Tokenizer:
 
     def save(self, folder: Path) -> None:
         """tokenizer.json and tokenizer_config.json, as from_folder reads them."""
-        self._tok.save(str(folder / "tokenizer.json"))
+        atomic_write_text(folder / "tokenizer.json", self.to_json())
         config = {k: v for k, v in self.config.items() if v is not None}
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=1))
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode() of each text, in parallel across cores."""

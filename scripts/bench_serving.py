@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from qrun.atomic import atomic_write_text
 from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, format_table, latency_summary,
                         load_workload, measure_read_bandwidth, run_qrun, unquiet_warning)
 
@@ -791,7 +792,7 @@ def main(argv=None) -> int:
                    "first_use_ttft_p50_s": first_use, "read_bandwidths": bandwidths,
                    "step_read_bandwidths": step_bandwidths, "skipped": skipped,
                    "profile": profile}
-        Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
+        atomic_write_text(args.json, json.dumps(payload, indent=2, default=str))
         print(f"\nwrote {args.json}")
     for name in order:
         close = getattr(systems[name], "close", None)
