@@ -15,7 +15,7 @@ that many bytes again and again (its cache's where they fit, else memory's).
     python scripts/bench_serving.py --workload ../shared/data/workloads/shared_prefix.jsonl \
         --num-requests 64 --systems qrun,qrun_noprefix
     python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun --profile
-    python scripts/bench_serving.py --num-requests 1 --single-stream-depth 2048 \
+    python scripts/bench_serving.py --num-requests 64 --max-tokens-cap 8 --single-stream-depth 2048 \
         --systems qrun,qrun@out/smol-4.0,llamacpp@f16,llamacpp@q4_0   # single streams after a long context
     python scripts/bench_serving.py --num-requests 64 --kv-cache-memory 114e6 --single-stream 0 \
         --systems qrun+bfloat16,qrun+int8,qrun+int4   # a cache for ~25% of these requests' tokens in bfloat16
