@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from qrun.atomic import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TEXT = ROOT.parent / "shared" / "data" / "text"
 MODEL = "smollm2-135m"
@@ -67,7 +69,7 @@ def uniform_measurement(measurement: Path, candidate: str, out: Path) -> float |
         block["results"] = [r for r in block["results"] if r["candidate"] == candidate]
         bits += block["results"][0]["bits"]
         weights += block["weights"]
-    out.write_text(json.dumps(data))
+    atomic_write_text(out, json.dumps(data))
     return bits / weights
 
 
@@ -154,7 +156,7 @@ def main() -> int:
         results["rows"].append(row)
         print(f"{label:28s} {bpw:7.3f} bpw   KL {r['kl']:.4f}   ppl {r['ppl']:.3f}", flush=True)
         if args.results:
-            Path(args.results).write_text(json.dumps(results, indent=1))
+            atomic_write_text(args.results, json.dumps(results, indent=1))
 
     ref_file = Path(args.ref_cache) if args.ref_cache else None
     # Reference log-probs per window: the reference runs once (once ever with --ref-cache).
