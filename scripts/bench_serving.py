@@ -607,10 +607,8 @@ def deep_prompt(requests: list[BenchRequest], tokenizer, tokens: int) -> str:
     round_of_prompts = "".join(r.prompt + "\n\n" for r in requests)
     if not round_of_prompts.strip():
         raise ValueError("the workload's prompts are empty: no text to make a deep context from")
-    text = round_of_prompts
-    while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
-        text += round_of_prompts
-    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
+    round_ids = tokenizer.encode(round_of_prompts, add_special_tokens=False)
+    return tokenizer.decode((round_ids * -(-tokens // len(round_ids)))[:tokens])
 
 
 def _table(rows: list[list[str]]) -> str:
