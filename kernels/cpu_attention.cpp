@@ -167,16 +167,35 @@ struct Step {
 // Xeon: 518 -> 421 us a layer; fetching the values only in the keys' pass: 720). Each row is converted to floats once,
 // in registers, for a pack of up to pack_size() query heads sharing its KV head (their queries or sums in registers
 // too).
-constexpr int64_t CHUNK = 128, LANES = 16, UNSPLIT = 96;
+constexpr int64_t CHUNK = 128, MAX_CHUNK = 512, LANES = 16, UNSPLIT = 96;
+
+// The cores this process may run on (its affinity), read once: what a long sequence's chunks are spread over. Not
+// the threads a step runs on now, which the engine lowers while another process holds a core: a sequence's
+// attention must not change with them.
+inline int64_t attention_cores() {
+    static const int64_t cores = std::max(1, omp_get_num_procs());
+    return cores;
+}
 
 // Tokens a chunk of a length-token sequence holds: the sequence whole up to UNSPLIT tokens (a second thread to wake
 // and wait for costs more than it saves: 8 against 13 us at 20 tokens), else halves rounded up to LANES, at most
-// CHUNK. So a sequence of 200 tokens is 112 + 88, not 128 + 72, for the two threads of a single stream (its chunks'
-// sums merged in another order: the same attention to float32's rounding). It depends on the length alone, so a
-// sequence's attention is the same whatever else the batch holds.
+// CHUNK; a sequence of more than CHUNK tokens a core gets longer chunks, a core's share up to MAX_CHUNK, as each chunk
+// costs to start and to merge (C++ steps with this rule against chunks of at most CHUNK, alternating in one process
+// on a 2-core Xeon, 4.0 bpw: one row of 300 tokens 1.02x, of 1,300 1.08x, of 2,048 1.09x; 16 rows of 300 1.04x, 4 of
+// 1,000 1.09x, 32 of 500 1.06x; dense: one row of 2,048 1.09x, 32 of 500 1.05x). Where that leaves more chunks than
+// cores their count is rounded up to a multiple of the cores, so a sequence alone spreads evenly (1,300 tokens as
+// 512 + 512 + 276 on two cores ran 0.99x; now 4 x 336). So a sequence of 200 tokens is 112 + 88, not 128 + 72, for
+// the two threads of a single stream (its chunks' sums merged in another order: the same attention to float32's
+// rounding). It depends on the length and the process's cores alone, so a sequence's attention is the same whatever
+// else the batch holds, and whatever threads the step runs on.
 inline int64_t chunk_tokens(int64_t length) {
     if (length <= UNSPLIT) return std::max<int64_t>(length, 1);
-    return std::min(CHUNK, ((length + 1) / 2 + LANES - 1) / LANES * LANES);
+    const auto round_up = [](int64_t n, int64_t to) { return (n + to - 1) / to * to; };
+    const int64_t cores = attention_cores(), half = (length + 1) / 2;
+    const int64_t most = std::min(std::clamp((length + cores - 1) / cores, CHUNK, MAX_CHUNK), half);
+    int64_t chunks = (length + most - 1) / most;
+    if (chunks > cores) chunks = round_up(chunks, cores);
+    return round_up((length + chunks - 1) / chunks, LANES);
 }
 
 template <int64_t dim>
@@ -242,7 +261,8 @@ struct Pass {
     int64_t count, kv_heads, kv_head, first;
 };
 
-// scores[j][t] = queries[j] . row t for the pack's heads j (rows of `scores` CHUNK + LANES apart); -FLT_MAX past count.
+// scores[j][t] = queries[j] . row t for the pack's heads j (rows of `scores` MAX_CHUNK + LANES apart); -FLT_MAX past
+// count.
 template <int kind, int64_t dim, int64_t heads>
 void score_pack(const Pass& pass, const float* queries, float* scores) {
     constexpr int64_t vectors = dim / LANES;
@@ -261,13 +281,13 @@ void score_pack(const Pass& pass, const float* queries, float* scores) {
         }
     }
     for (int64_t j = 0; j < heads; j++) {
-        float* out = scores + (pass.first + j) * (CHUNK + LANES);
+        float* out = scores + (pass.first + j) * (MAX_CHUNK + LANES);
         sum_lanes(reinterpret_cast<const float*>(parts[j]), out);
         for (int64_t t = pass.count; t < LANES; t++) out[t] = -FLT_MAX;
     }
 }
 
-// sums[j] += sum over t of weights[j][t] * row t for the pack's heads j (weights: rows CHUNK + LANES apart).
+// sums[j] += sum over t of weights[j][t] * row t for the pack's heads j (weights: rows MAX_CHUNK + LANES apart).
 template <int kind, int64_t dim, int64_t heads>
 void accumulate_pack(const Pass& pass, const float* weights, float* sums) {
     constexpr int64_t vectors = dim / LANES;
@@ -278,7 +298,7 @@ void accumulate_pack(const Pass& pass, const float* weights, float* sums) {
         Floats row[vectors];
         row_vectors<kind, dim>(pass.cache, pass.slots[t] * pass.kv_heads + pass.kv_head, pass.scales, row);
         for (int64_t j = 0; j < heads; j++) {
-            const Floats weight = Floats{} + weights[(pass.first + j) * (CHUNK + LANES) + t];
+            const Floats weight = Floats{} + weights[(pass.first + j) * (MAX_CHUNK + LANES) + t];
             for (int64_t v = 0; v < vectors; v++) acc[j][v] += weight * row[v];
         }
     }
@@ -294,7 +314,7 @@ void with_heads(int64_t heads, const F& f) {
 }
 
 // Tokens [begin, end) of a sequence (its block table: table) for every query head; queries scaled. scores: [heads]
-// rows of CHUNK + LANES.
+// rows of MAX_CHUNK + LANES.
 template <int kind, int64_t dim>
 void attend_chunk(const Step& step, const float* queries, const int32_t* table, int64_t begin, int64_t end,
                   float* scores, const Partial& partial, bool fetch_up_front) {
@@ -345,7 +365,7 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
     });
     const int64_t padded = (length + LANES - 1) / LANES * LANES;  // score_pack wrote -FLT_MAX past length
     for (int64_t head = 0; head < heads; head++) {
-        float* s = scores + head * (CHUNK + LANES);
+        float* s = scores + head * (MAX_CHUNK + LANES);
         Floats tops = Floats{} - FLT_MAX;
         for (int64_t t = 0; t < padded; t += LANES) {
             const Floats values = qrun_load_floats(s + t);
@@ -406,7 +426,7 @@ void decode_attention(const Step& step) {
     const auto attend = [&](int, int) {
         thread_local std::vector<float> queries, scores;
         queries.resize(heads * dim);
-        scores.resize(heads * (CHUNK + LANES));
+        scores.resize(heads * (MAX_CHUNK + LANES));
         for (int64_t chunk; (chunk = next_chunk.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
             const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
             const int64_t seq = after - chunk_start.begin() - 1;

@@ -67,9 +67,10 @@ def test_decode_rows_equal_the_reference(cache, dim):
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_rows_longer_than_a_chunk_merge_their_chunks_as_the_reference(cache):
-    """A work item is 128 tokens of a sequence (cpu_attention.cpp's CHUNK): longer ones merge their softmaxes."""
-    assert_matches_reference(paged_step(cache, [1] * 6, [127, 128, 129, 300, 700, 5], kv_heads=3, group=3, dim=64,
-                                        block_size=16))
+    """A work item is up to 128 tokens of a sequence, 512 where it holds more than 128 a core (cpu_attention.cpp's
+    chunk_tokens): longer ones merge their softmaxes."""
+    assert_matches_reference(paged_step(cache, [1] * 7, [127, 128, 129, 300, 700, 1300, 5], kv_heads=3, group=3,
+                                        dim=64, block_size=16))
 
 
 @settings(max_examples=40, deadline=None)
