@@ -11,8 +11,8 @@ decode rows of a step in one call: no gather, no padding, no grouping. Its threa
 own (it links the OpenMP runtime torch loaded), split over chunks of up to 128 tokens of each
 sequence, up to 512 where a sequence holds more than 128 a core, in a multiple of the cores (all KV
 heads; beyond 96 tokens at least two halves, so one stream's attention uses two threads evenly;
-`chunk_tokens` in the C++ says why), whose softmaxes are merged after, as flash-decoding does: a long sequence uses
-every thread. Scores come 16 tokens at a time (their dot products' lanes summed
+`chunk_tokens` in the C++ says why), whose softmaxes are merged after, as flash-decoding does: a
+long sequence uses every thread. Scores come 16 tokens at a time (their dot products' lanes summed
 together rather than one horizontal sum each) and e^x by a polynomial the compiler vectorises.
 Each cached row is converted to floats once, in registers, and used there by every query head
 of a pack sharing its KV head (GQA: SmolLM2's 3 per KV head as one pack), whose queries or sums
