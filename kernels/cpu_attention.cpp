@@ -4,7 +4,7 @@
 //
 // Decode rows (one query in their sequence): work is split over chunks of each row's tokens (all KV heads); per
 // chunk, each query head's scores from one pass over the keys, its softmax weights, one pass over the values, in
-// float32; chunks merged after (see CHUNK). Prefill chunks: 16 queries a vector's lanes (see KEYS).
+// float32; chunks merged after (see chunk_tokens). Prefill chunks: 16 queries a vector's lanes (see KEYS).
 // head_dim is a template parameter for the common sizes, so the row loops unroll and vectorise.
 
 #include <algorithm>
