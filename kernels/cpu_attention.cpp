@@ -180,14 +180,14 @@ inline int64_t attention_cores() {
 // Tokens a chunk of a length-token sequence holds: the sequence whole up to UNSPLIT tokens (a second thread to wake
 // and wait for costs more than it saves: 8 against 13 us at 20 tokens), else halves rounded up to LANES, at most
 // CHUNK; a sequence of more than CHUNK tokens a core gets longer chunks, a core's share up to MAX_CHUNK, as each chunk
-// costs to start and to merge (C++ steps with this rule against chunks of at most CHUNK, alternating in one process
-// on a 2-core Xeon, 4.0 bpw: one row of 300 tokens 1.02x, of 1,300 1.08x, of 2,048 1.09x; 16 rows of 300 1.04x, 4 of
-// 1,000 1.09x, 32 of 500 1.06x; dense: one row of 2,048 1.09x, 32 of 500 1.05x). Where that leaves more chunks than
-// cores their count is rounded up to a multiple of the cores, so a sequence alone spreads evenly (1,300 tokens as
-// 512 + 512 + 276 on two cores ran 0.99x; now 4 x 336). So a sequence of 200 tokens is 112 + 88, not 128 + 72, for
-// the two threads of a single stream (its chunks' sums merged in another order: the same attention to float32's
-// rounding). It depends on the length and the process's cores alone, so a sequence's attention is the same whatever
-// else the batch holds, and whatever threads the step runs on.
+// costs to start and to merge (one-off probes: C++ steps with this rule against chunks of at most CHUNK, alternating
+// in one process on a 2-core Xeon, 4.0 bpw: one row of 300 tokens 1.02x, of 1,300 1.08x, of 2,048 1.09x; 16 rows of
+// 300 1.04x, 4 of 1,000 1.09x, 32 of 500 1.06x; dense: one row of 2,048 1.09x, 32 of 500 1.05x). Where that leaves
+// more chunks than cores their count is rounded up to a multiple of the cores, so a sequence alone spreads evenly
+// (1,300 tokens as 512 + 512 + 276 on two cores ran 0.99x; now 4 x 336). So a sequence of 200 tokens is 112 + 88, not
+// 128 + 72, for the two threads of a single stream (its chunks' sums merged in another order: the same attention to
+// float32's rounding). It depends on the length and the process's cores alone, so a sequence's attention is the same
+// whatever else the batch holds, and whatever threads the step runs on.
 inline int64_t chunk_tokens(int64_t length) {
     if (length <= UNSPLIT) return std::max<int64_t>(length, 1);
     const auto round_up = [](int64_t n, int64_t to) { return (n + to - 1) / to * to; };

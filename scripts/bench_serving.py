@@ -760,8 +760,9 @@ def main(argv=None) -> int:
               f"alloc/ceil {base['kv_alloc_over_ceil']:.3f}) of {base['kv_blocks_total']} blocks")
     print()
     print(ratio_table(summary))
-    if len(order) > 1:
-        print(repeat_ratios(runs, order))
+    ratios = repeat_ratios(runs, order)  # none for one system
+    if ratios:
+        print(ratios)
     if first_use:
         base_ttft = first_use[order[0]]
         print(f"\nfirst use (the warm-up's {args.warmup} requests on a fresh system), TTFT p50 and x {order[0]}'s: "
