@@ -6,6 +6,7 @@ import contextlib
 import itertools
 from typing import Iterator, Sequence as Seq
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from qrun.errors import RequestFailed
@@ -44,9 +45,11 @@ class LLM:
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 engine.add_request(request_id, prompt, p)
+            # on stderr, and only where it is a terminal: a script's piped output or log file gets no bar's remains
+            console = Console(stderr=True)
             with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), disable=not progress,
-                          transient=True) as bar:
+                          TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console,
+                          disable=not (progress and console.is_terminal), transient=True) as bar:
                 task = bar.add_task("", total=len(ids), rate="")
                 start_tokens = engine.num_generated_tokens
                 start = bar.get_time()

@@ -33,6 +33,11 @@ def test_batched_greedy_equals_sequential_on_tiny_model(llm):
         assert out.finish_reason == "length" and len(out.token_ids) == p.max_tokens
 
 
+def test_generate_writes_nothing_to_a_piped_stdout_or_stderr(llm, capfd):
+    llm.generate(prompts(2), SamplingParams(max_tokens=3))
+    assert capfd.readouterr() == ("", "")
+
+
 def test_outputs_come_back_in_input_order(llm):
     batch = prompts(6, seed=1)
     outs = llm.generate(batch, [SamplingParams(max_tokens=12 - 2 * i, **GREEDY) for i in range(6)], progress=False)
