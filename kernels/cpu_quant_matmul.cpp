@@ -49,6 +49,17 @@ inline void prefetch_ahead(const uint8_t* stream) {
     _mm_prefetch(reinterpret_cast<const char*>(stream + PREFETCH_L2), _MM_HINT_T1);
 }
 
+// The scales and zeros are streams of their own beside each tile's codes, 32 bytes a group, which the hardware's
+// prefetchers follow late: fetched into L1 SCALES_AHEAD values (512 bytes) ahead of the group being scaled. C++ steps
+// of a 4.0-bpw SmolLM2, a 2-core Xeon, alternating with the kernel without them in one process (one-off probes): one
+// row of 200 tokens 1.00-1.05x over six runs (1.01-1.02x at 256 bytes ahead, 1.01x at 8 KiB), 8 rows 1.00x, 32 rows
+// 1.06x.
+constexpr int64_t SCALES_AHEAD = 256;
+
+inline void prefetch_scales(const uint16_t* stream) {
+    _mm_prefetch(reinterpret_cast<const char*>(stream + SCALES_AHEAD), _MM_HINT_T0);
+}
+
 // x ~ step * (high + low / LOW_STEPS) per group: one int8 digit (high), or two, as
 // precise as 15 bits, at twice the multiplications.
 constexpr float LOW_STEPS = 254.f;
@@ -226,10 +237,15 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             const float center = upper ? centers[b] + 16.f * high_centers[b] : centers[b];
             for (int t = 0; t < T; t++) {
                 const int64_t at = (tiles[t] * groups + g) * TILE_N;
+                prefetch_scales(scales + at);
+                prefetch_scales(zeros + at);
                 const __m512 scale = load_halves(scales + at);
                 __m512 zero = load_halves(zeros + at);
-                if constexpr (upper)
-                    zero = _mm512_add_ps(zero, load_halves(high_zeros + (tiles[t] * high_groups + g) * TILE_N));
+                if constexpr (upper) {
+                    const uint16_t* high = high_zeros + (tiles[t] * high_groups + g) * TILE_N;
+                    prefetch_scales(high);
+                    zero = _mm512_add_ps(zero, load_halves(high));
+                }
                 for (int r = 0; r < R; r++) {
                     __m512 dot = _mm512_cvtepi32_ps(high_dot[t][r]);
                     if constexpr (two_digits)
