@@ -215,9 +215,9 @@ constexpr int64_t unpacked_dim(int64_t v, int64_t lane) { return v / 2 * 32 + la
 // Row `index` of a cache as dim / 16 vectors of floats for a decode pass. bfloat16 rows are unpacked beside a zero
 // word (the float's bits, in unpacked_dim's order): the unpacks run on the shuffle port, while row_vectors's shift
 // after its widening load takes a port of the FMAs that the passes wait on (a 2-core Xeon that runs 2.4 G 512-bit FMAs
-// a second against 6.1 G 256-bit ones, a one-off probe). One row of 2,000 tokens in the caches, one thread: 1.11-1.14x
-// with fused_multiply_add's chains; C++ steps of the 4.0-bpw model 1.01x at one row of 200 tokens, 1.03x at one of
-// 2,048, 1.05x at 16 rows of 500 (one-off probes, the old path alternating in one process).
+// a second against 6.1 G 256-bit ones, a one-off probe). One row of 96 or 2,000 tokens in the caches, one thread:
+// 1.11-1.14x with fused_multiply_add's chains; C++ steps of the 4.0-bpw model 1.01x at one row of 200 tokens, 1.03x
+// at one of 2,048, 1.05x at 16 rows of 500 (one-off probes, the old path alternating in one process).
 template <int kind, int64_t dim>
 inline void decode_row_vectors(const void* data, int64_t index, const _Float16* scales, Floats* out) {
 #if defined(__AVX512F__)

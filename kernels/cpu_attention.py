@@ -14,13 +14,16 @@ heads; beyond 96 tokens at least two halves, so one stream's attention uses two 
 `chunk_tokens` in the C++ says why), whose softmaxes are merged after, as flash-decoding does: a
 long sequence uses every thread. Scores come 16 tokens at a time (their dot products' lanes summed
 together rather than one horizontal sum each) and e^x by a polynomial the compiler vectorises.
-Each cached row is converted to floats once, in registers, and used there by every query head
-of a pack sharing its KV head (GQA: SmolLM2's 3 per KV head as one pack), whose queries or sums
-stay in registers too. On a 2-core Xeon (bfloat16 cache, SmolLM2's 9 query and 3 KV heads of
-64): 32 sequences of 600 tokens took 0.77-0.84 ms per layer, against 1.27 ms when each chunk's
-rows were first converted into a float buffer and read back once per query head, and 2.0 ms for
-the kernel that looped (sequence, KV head) pairs with a horizontal sum per token; 4 of 1,500
-0.21 against 0.36 and 0.62 ms.
+Each cached row is converted to floats once, in registers, and used there by every query head of
+a pack sharing its KV head (GQA: SmolLM2's 3 per KV head as one pack), whose queries or sums
+stay in registers too. A bfloat16 row is unpacked beside zero words rather than widened and
+shifted, its floats in a fixed order that the queries are put in once a chunk (and the weighted
+sums taken out of), which leaves the floating-point port to the FMAs (the 2-core Xeon issues its
+512-bit FMAs from one: `decode_row_vectors` in the C++). On a 2-core Xeon (bfloat16 cache,
+SmolLM2's 9 query and 3 KV heads of 64): 32 sequences of 600 tokens took 0.77-0.84 ms per layer
+(before that change), against 1.27 ms when each chunk's rows were first converted into a float
+buffer and read back once per query head, and 2.0 ms for the kernel that looped (sequence, KV
+head) pairs with a horizontal sum per token; 4 of 1,500 0.21 against 0.36 and 0.62 ms.
 
 Prefill chunks (sequences with more than one query in the step) are a matrix product rather than
 a dot product per row: the kernel puts 16 query vectors in a vector's lanes (a chunk's rows times

@@ -52,7 +52,7 @@ inline void prefetch_ahead(const uint8_t* stream) {
 // The scales and zeros are streams of their own beside each tile's codes, 32 bytes a group, which the hardware's
 // prefetchers follow late: fetched into L1 SCALES_AHEAD values (512 bytes) ahead of the group being scaled. C++ steps
 // of a 4.0-bpw SmolLM2, a 2-core Xeon, alternating with the kernel without them in one process (one-off probes): one
-// row of 200 tokens 1.00-1.05x over six runs (1.01-1.02x at 256 bytes ahead, 1.01x at 8 KiB), 8 rows 1.00x, 32 rows
+// row of 200 tokens 1.00-1.05x over five runs (1.01-1.02x at 256 bytes ahead, 1.01x at 8 KiB), 8 rows 1.00x, 32 rows
 // 1.06x.
 constexpr int64_t SCALES_AHEAD = 256;
 
