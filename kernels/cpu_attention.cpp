@@ -201,7 +201,7 @@ inline int64_t chunk_tokens(int64_t length) {
 // Whether a decode pass reads a row of the kind as decode_row_vectors's unpacks (floats in unpacked_dim's order).
 template <int kind, int64_t dim>
 constexpr bool unpacked_rows() {
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)  // the 16-bit unpacks
     return kind == BF16 && dim % 32 == 0;
 #else
     return false;
@@ -220,7 +220,7 @@ constexpr int64_t unpacked_dim(int64_t v, int64_t lane) { return v / 2 * 32 + la
 // at one of 2,048, 1.05x at 16 rows of 500 (one-off probes, the old path alternating in one process).
 template <int kind, int64_t dim>
 inline void decode_row_vectors(const void* data, int64_t index, const _Float16* scales, Floats* out) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
     if constexpr (unpacked_rows<kind, dim>()) {
         const __m512i* row = reinterpret_cast<const __m512i*>(static_cast<const uint16_t*>(data) + index * dim);
         for (int64_t v = 0; v < dim / 32; v++) {
