@@ -328,6 +328,7 @@ extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int
                                  int64_t width, int threads);
 extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t width, int64_t* out, int threads);
 extern "C" double qrun_read_sum(const float* x, int64_t n, int streams, int threads);
+extern "C" double qrun_multiply_adds(int64_t rounds, int threads);
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,
                              int64_t rows, int64_t hidden, float eps, int threads);
 extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,

@@ -373,6 +373,12 @@ at::Tensor read_sum(const at::Tensor& x, int64_t streams) {
     return sum;
 }
 
+// rounds x 12 multiply-adds of 16-float vectors on each of torch's threads (kernels/cpu_read.cpp); their sum.
+double multiply_adds(int64_t rounds) {
+    TORCH_CHECK(rounds >= 0, "multiply_adds: rounds must be >= 0, got ", rounds);
+    return qrun_multiply_adds(rounds, at::get_num_threads());
+}
+
 at::Tensor first_max_shape(const at::Tensor& rows) {
     return at::empty_symint({rows.sym_size(0)}, rows.options().dtype(at::kLong));
 }
@@ -587,6 +593,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
     m.def("first_max(Tensor rows) -> Tensor");
     m.def("read_sum(Tensor x, int streams) -> Tensor");
+    m.def("multiply_adds(int rounds) -> float", &multiply_adds);  // no tensors to dispatch on: every backend's
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");

@@ -1,8 +1,13 @@
+// The serving benchmark's probes of this machine (qrun/bench.py): how fast it reads and how fast it multiplies.
+//
 // The float32 sum of a buffer, read as this library's kernels read weights: each thread's share in `streams` runs
 // side by side, fetched ahead into L1 and L2 as cpu_quant_matmul.cpp's prefetch_ahead fetches. It measures how fast
-// this machine reads a decode step's bytes, for the serving benchmark's roofline (qrun/bench.py's
-// measure_read_bandwidth): torch's sum reads one run per thread, and on a 2-core Xeon VM read 273 MB at ~30 GB/s
-// where the dense model's decode step, four runs per thread, read its 273 MB at ~39.
+// this machine reads a decode step's bytes, for the serving benchmark's roofline (measure_read_bandwidth): torch's
+// sum reads one run per thread, and on a 2-core Xeon VM read 273 MB at ~30 GB/s where the dense model's decode step,
+// four runs per thread, read its 273 MB at ~39.
+//
+// Chains of multiply-adds on 16-float vectors (measure_arithmetic_rate): the arithmetic the decode kernels' FMAs run
+// at, which a VM's host can slow apart from its memory.
 
 #include <cstdint>
 #include <vector>
@@ -54,6 +59,32 @@ extern "C" double qrun_read_sum(const float* x, int64_t n, int streams, int thre
             case 4: parts[part] = sum_side_by_side<4>(x, first, last); break;
             default: parts[part] = sum_side_by_side<8>(x, first, last); break;
         }
+    });
+    double total = 0.0;
+    for (double p : parts) total += p;
+    return total;
+}
+
+// rounds x CHAINS multiply-adds of 16-float vectors on each of `threads` threads, in CHAINS independent chains (one
+// 512-bit FMA each with AVX-512, two 256-bit ones with AVX2), enough to keep every FMA port busy; the chains' sum, so
+// that none of them is left out.
+extern "C" double qrun_multiply_adds(int64_t rounds, int threads) {
+    constexpr int CHAINS = 12;
+    std::vector<double> parts(std::max(threads, 1), 0.0);
+    qrun_parallel(threads, [&](int64_t part, int64_t) {
+        qrun_floats chains[CHAINS];
+        for (int c = 0; c < CHAINS; c++) chains[c] = qrun_floats{} + (1.f + float(c + part) * 1e-7f);
+        // read anew each round, so that the compiler (free to reassociate here) cannot fold rounds into fewer
+        volatile float opaque_factor = 0.9999999f;
+        const qrun_floats term = qrun_floats{} + 1e-8f;
+        for (int64_t r = 0; r < rounds; r++) {
+            const qrun_floats factor = qrun_floats{} + opaque_factor;
+            for (int c = 0; c < CHAINS; c++) chains[c] = chains[c] * factor + term;
+        }
+        double sum = 0.0;
+        for (int c = 0; c < CHAINS; c++)
+            for (int lane = 0; lane < 16; lane++) sum += chains[c][lane];
+        parts[part] = sum;
     });
     double total = 0.0;
     for (double p : parts) total += p;

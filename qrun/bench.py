@@ -237,19 +237,50 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float
     return buffer.numel() * 4 / best
 
 
-# Read bandwidth readings of one run further apart than this (largest / smallest) mean something
-# outside the VM shared its memory bus meanwhile (seen: 28.6-49.4 GB/s within one run on an idle
-# 2-core EPYC VM, where another run read a steady 32.4-32.6): such a run's timings are not evidence.
-QUIET_BANDWIDTH_SPREAD = 1.15
+def measure_arithmetic_rate(rounds: int = 1 << 20, repeats: int = 5) -> float:
+    """The machine's arithmetic rate in float32 multiply-adds/s on torch's threads: the best of `repeats` runs of
+    independent chains of multiply-adds on 16-float vectors (`kernels/cpu_read.cpp`; ~0.01 s each), the FMAs the
+    decode kernels run (a 2-core Xeon VM: 5.1-5.7 G 512-bit FMAs a second a core). A VM's host can slow its cores
+    apart from its memory (the same Xeon: a decode step's time moved 2.5-4.0 ms within minutes, `top` empty), which
+    the bandwidth readings need not show and which slows compute-bound work (attention over a long context, prefill)
+    more than a roofline of bytes allows for. 0 where the C++ kernels are not built."""
+    import torch
+
+    from qrun.kernels import cpu_library
+
+    if not cpu_library.available():
+        return 0.0
+    best = math.inf
+    for _ in range(repeats + 1):  # the first run wakes the threads
+        start = time.perf_counter()
+        torch.ops.qrun.multiply_adds(rounds)
+        best = min(best, time.perf_counter() - start)
+    return rounds * 12 * 16 * torch.get_num_threads() / best
 
 
-def unquiet_warning(bandwidths: Sequence[float]) -> str | None:
-    """A warning when `bandwidths` (one run's readings, bytes/s) vary as no quiet machine's do."""
-    if len(bandwidths) < 2 or max(bandwidths) <= QUIET_BANDWIDTH_SPREAD * min(bandwidths):
+# Readings of one run further apart than this (largest / smallest) mean something outside the VM
+# shared the machine meanwhile: its memory bus (seen: 28.6-49.4 GB/s read within one run on an idle
+# 2-core EPYC VM, where another run read a steady 32.4-32.6) or its cores (`measure_arithmetic_rate`):
+# such a run's timings are not evidence.
+QUIET_SPREAD = 1.15
+
+
+def unquiet_warning(bandwidths: Sequence[float], arithmetic_rates: Sequence[float] = ()) -> str | None:
+    """A warning when `bandwidths` (one run's read bandwidth readings, bytes/s) or `arithmetic_rates` (its
+    `measure_arithmetic_rate` readings) vary as no quiet machine's do."""
+    def swings(readings: Sequence[float]) -> bool:
+        return len(readings) >= 2 and max(readings) > QUIET_SPREAD * min(readings)
+
+    moved = []
+    if swings(bandwidths):
+        moved.append(f"its read bandwidth varied {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s")
+    if swings(arithmetic_rates):
+        moved.append(f"its arithmetic rate varied {min(arithmetic_rates) / 1e9:.1f}-"
+                     f"{max(arithmetic_rates) / 1e9:.1f} G multiply-adds/s")
+    if not moved:
         return None
-    return (f"the machine was not quiet: its read bandwidth varied {min(bandwidths) / 1e9:.1f}-"
-            f"{max(bandwidths) / 1e9:.1f} GB/s during the run (a neighbour on the host, as `top` cannot show); "
-            f"rerun before taking these ratios or the roofline as evidence")
+    return (f"the machine was not quiet: {' and '.join(moved)} during the run (a neighbour on the host, as `top` "
+            f"cannot show); rerun before taking these ratios or the roofline as evidence")
 
 
 def _spin() -> None:

@@ -55,7 +55,7 @@ import torch
 
 from qrun.atomic import atomic_write_text
 from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, format_table, latency_summary,
-                        load_workload, measure_read_bandwidth, run_qrun, unquiet_warning)
+                        load_workload, measure_arithmetic_rate, measure_read_bandwidth, run_qrun, unquiet_warning)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
@@ -650,12 +650,13 @@ def repeat_ratios(runs: dict[str, list[dict]], order: list[str]) -> str:
 
 
 def roofline_table(summary: list[dict], step_bytes: dict[str, int], step_bandwidths: dict[str, list[float]],
-                   bandwidths: list[float]) -> str:
+                   bandwidths: list[float], arithmetic_rates: list[float]) -> str:
     """Bytes a batch-1 decode step reads (weights + the single stream's mean context) times the measured decode rate,
     as a share of the rate at which the machine reads that many bytes over and over, as decode steps do: the best of
     `step_bandwidths`, one reading after each repeat's single streams (a VM's bandwidth swings within minutes; one
     reading in a slow phase would flatter every system). Where a step's bytes fit the last-level cache they read
-    faster than memory (`bandwidths`, past the caches), and only the cache's rate bounds the step."""
+    faster than memory (`bandwidths`, past the caches), and only the cache's rate bounds the step. `arithmetic_rates`
+    (one reading after each repeat) show whether the cores ran at one speed throughout."""
     rows = [["system", "MB read per step", "GB/s reading them", "roofline tok/s", "single-stream tok/s",
              "% of roofline"]]
     for r in summary:
@@ -666,9 +667,11 @@ def roofline_table(summary: list[dict], step_bytes: dict[str, int], step_bandwid
         rows.append([name, f"{step_bytes[name] / 1e6:.1f}", f"{max(step_bandwidths[name]) / 1e9:.1f}", f"{roof:.1f}",
                      f"{r['single_stream_tok_s']:.1f}", f"{r['single_stream_tok_s'] / roof:.0%}"])
     readings = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
-    warning = unquiet_warning(bandwidths)
-    return (f"read bandwidth past the caches {max(bandwidths) / 1e9:.1f} GB/s, the best of {readings} "
-            f"({torch.get_num_threads()} threads)\n" + _table(rows) + (f"\nWARNING: {warning}" if warning else ""))
+    rates = ", ".join(f"{r / 1e9:.1f}" for r in arithmetic_rates)
+    warning = unquiet_warning(bandwidths, arithmetic_rates)
+    return (f"read bandwidth past the caches {max(bandwidths) / 1e9:.1f} GB/s, the best of {readings}; arithmetic "
+            f"{rates} G multiply-adds/s ({torch.get_num_threads()} threads)\n" + _table(rows)
+            + (f"\nWARNING: {warning}" if warning else ""))
 
 
 def main(argv=None) -> int:
@@ -720,6 +723,7 @@ def main(argv=None) -> int:
     stream = [BenchRequest("single", prompt, args.single_stream)] if args.single_stream else []
     depth = f" after {args.single_stream_depth} tokens of context" if args.single_stream_depth else ""
     bandwidths: list[float] = []  # one reading past the caches after each repeat's single streams
+    arithmetic_rates: list[float] = []  # and one of the cores' arithmetic
     # each system's batch-1 step bytes (`roofline_table`), and a reading of that many after each repeat
     step_bytes = {name: systems[name].decode_bytes(stream[0].prompt, args.single_stream // 2)
                   for name in order if stream and hasattr(systems[name], "decode_bytes")}
@@ -742,6 +746,7 @@ def main(argv=None) -> int:
                       "decode", flush=True)
             if stream:
                 bandwidths.append(measure_read_bandwidth())
+                arithmetic_rates.append(measure_arithmetic_rate())
                 for name, size in step_bytes.items():
                     step_bandwidths[name].append(measure_read_bandwidth(size))
 
@@ -769,7 +774,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{name} {ttft:.3f}s ({ttft / base_ttft:.2f}x)" for name, ttft in first_use.items()))
     if stream:
         print()
-        print(roofline_table(summary, step_bytes, step_bandwidths, bandwidths))
+        print(roofline_table(summary, step_bytes, step_bandwidths, bandwidths, arithmetic_rates))
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
 
@@ -789,6 +794,7 @@ def main(argv=None) -> int:
         payload = {"args": {k: v for k, v in vars(args).items()}, "workload": os.path.abspath(args.workload),
                    "torch_threads": torch.get_num_threads(), "summary": summary, "runs": runs, "single_stream": single,
                    "first_use_ttft_p50_s": first_use, "read_bandwidths": bandwidths,
+                   "arithmetic_rates": arithmetic_rates,
                    "step_read_bandwidths": step_bandwidths, "skipped": skipped,
                    "profile": profile}
         atomic_write_text(args.json, json.dumps(payload, indent=2, default=str))

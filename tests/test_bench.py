@@ -11,6 +11,7 @@ import pytest
 
 from qrun import LLM
 from qrun.bench import BenchRequest, run_qrun
+from qrun.kernels import cpu_library
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,42 @@ def test_a_run_whose_read_bandwidth_swings_is_flagged_as_not_quiet():
     assert warning and "28.6-49.4 GB/s" in warning and "not quiet" in warning
 
 
+def test_a_run_whose_arithmetic_rate_swings_is_flagged_as_not_quiet():
+    """A host can slow a VM's cores while its memory reads steadily: the arithmetic readings flag that run too."""
+    from qrun.bench import unquiet_warning
+
+    steady = [32.4e9, 32.6e9, 32.1e9]
+    assert unquiet_warning(steady, [160e9, 158e9, 163e9]) is None
+    warning = unquiet_warning(steady, [160e9, 90e9])
+    assert warning and "90.0-160.0 G multiply-adds/s" in warning and "GB/s" not in warning
+    both = unquiet_warning([49.4e9, 28.6e9], [160e9, 90e9])
+    assert both and "28.6-49.4 GB/s" in both and "90.0-160.0" in both
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="the probe is a C++ kernel")
+def test_the_arithmetic_probe_runs_every_multiply_add_it_counts():
+    """The probe's sum is its 12 x 16 lanes after exactly `rounds` multiply-adds x -> 0.9999999 x + 1e-8 rounded to
+    float32 (each moves a lane near 1 by a float32 step, so one round more or less shows); and the rate it gives is a
+    positive count a second."""
+    import numpy as np
+    import torch
+
+    from qrun.bench import measure_arithmetic_rate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rounds in (0, 1, 36, 37):
+            chains = np.float32(1) + np.arange(12, dtype=np.float32) * np.float32(1e-7)
+            for _ in range(rounds):  # one rounding a step, as an FMA's
+                chains = (chains.astype(np.float64) * np.float32(0.9999999) + np.float32(1e-8)).astype(np.float32)
+            assert torch.ops.qrun.multiply_adds(rounds) == pytest.approx(16 * chains.astype(np.float64).sum(),
+                                                                           rel=1e-12)
+        assert measure_arithmetic_rate(rounds=1 << 12, repeats=1) > 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def load_bench_serving():
     import importlib.util
 
@@ -97,11 +134,13 @@ def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
     bench_serving = load_bench_serving()
     summary = [{"system": "small", "single_stream_tok_s": 210.0}, {"system": "large", "single_stream_tok_s": 49.0}]
     table = bench_serving.roofline_table(summary, {"small": 100e6, "large": 300e6},
-                                         {"small": [40e9, 42e9], "large": [20e9, 21e9]}, [20e9, 21e9])
+                                         {"small": [40e9, 42e9], "large": [20e9, 21e9]}, [20e9, 21e9],
+                                         [160e9, 161e9])
     rows = {line.split()[0]: line.split() for line in table.splitlines()[3:]}
     assert rows["small"][1:] == ["100.0", "42.0", "420.0", "210.0", "50%"]
     assert rows["large"][1:] == ["300.0", "21.0", "70.0", "49.0", "70%"]
-    assert "past the caches 21.0 GB/s" in table
+    assert "past the caches 21.0 GB/s" in table and "arithmetic 160.0, 161.0 G multiply-adds/s" in table
+    assert "WARNING" not in table
 
 
 def test_a_deep_single_stream_context_is_the_workloads_prompts_cut_to_the_depth(tiny_llama_dir):
