@@ -213,9 +213,9 @@ constexpr bool unpacked_rows() {
 constexpr int64_t unpacked_dim(int64_t v, int64_t lane) { return v / 2 * 32 + lane / 4 * 8 + v % 2 * 4 + lane % 4; }
 
 // Row `index` of a cache as dim / 16 vectors of floats for a decode pass. bfloat16 rows are unpacked beside a zero
-// word (the float's bits, in unpacked_dim's order): the unpacks run on the shuffle port, while row_vectors's shift
-// after its widening load takes a port of the FMAs that the passes wait on (a 2-core Xeon that runs 2.4 G 512-bit FMAs
-// a second against 6.1 G 256-bit ones, a one-off probe). One row of 96 or 2,000 tokens in the caches, one thread:
+// word (the float's bits, in unpacked_dim's order): two unpacks per 32 values, where row_vectors widens each 16 with
+// a load and then shifts them, a vector operation beside the passes' FMAs. One row of 96 or 2,000 tokens in the caches,
+// one thread:
 // 1.11-1.14x with fused_multiply_add's chains; C++ steps of the 4.0-bpw model 1.01x at one row of 200 tokens, 1.03x
 // at one of 2,048, 1.05x at 16 rows of 500 (one-off probes, the old path alternating in one process).
 template <int kind, int64_t dim>
@@ -328,7 +328,7 @@ struct Pass {
 };
 
 // a * b + c as one FMA a lane, in this order: -fassociative-math would rather split a dot product's chain of them
-// into two chains and an add, one more instruction on the port they share.
+// into two chains and an add, one more floating-point instruction beside them.
 inline Floats fused_multiply_add(Floats a, Floats b, Floats c) {
 #if defined(__AVX512F__)
     return Floats(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));

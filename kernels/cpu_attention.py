@@ -18,8 +18,8 @@ Each cached row is converted to floats once, in registers, and used there by eve
 a pack sharing its KV head (GQA: SmolLM2's 3 per KV head as one pack), whose queries or sums
 stay in registers too. A bfloat16 row is unpacked beside zero words rather than widened and
 shifted, its floats in a fixed order that the queries are put in once a chunk (and the weighted
-sums taken out of), which leaves the floating-point port to the FMAs (the 2-core Xeon issues its
-512-bit FMAs from one: `decode_row_vectors` in the C++). On a 2-core Xeon (bfloat16 cache,
+sums taken out of): two unpacks per 32 values in place of a widening load and a shift for each 16
+(`decode_row_vectors` in the C++). On a 2-core Xeon (bfloat16 cache,
 SmolLM2's 9 query and 3 KV heads of 64): 32 sequences of 600 tokens took 0.77-0.84 ms per layer
 (before that change), against 1.27 ms when each chunk's rows were first converted into a float
 buffer and read back once per query head, and 2.0 ms for the kernel that looped (sequence, KV
