@@ -316,7 +316,7 @@ extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, 
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
                                  const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
-                                 int64_t k_high, void* y, int y_bfloat16, int64_t ldy, int64_t rows, int64_t n,
+                                 int64_t k_high, void* y, int y_kind, int64_t ldy, int64_t rows, int64_t n,
                                  int64_t k, int64_t group, int input_digits, int read_streams, int threads);
 extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint16_t* high_scales, int64_t n,
                                               int64_t k, int64_t k_high, int64_t group);

@@ -141,8 +141,10 @@ struct Linear {
 
     // The product of x [rows, in] (contiguous): where a kernel of the library multiplies (the VNNI kernel, the
     // float16 GEMV), into the workspace's slot `out`; else a new tensor. The input rotation and act order's gather
-    // go to the workspace too.
-    at::Tensor operator()(const at::Tensor& x, bool half_gemv, Workspace& workspace, Slot out) const {
+    // go to the workspace too. widened (where widens() allows it): a new float32 tensor of the bfloat16 product's
+    // values, written by the VNNI kernel as it stores them.
+    at::Tensor operator()(const at::Tensor& x, bool half_gemv, Workspace& workspace, Slot out,
+                          bool widened = false) const {
         const int64_t rows = x.size(0);
         at::Tensor in = x;
         if (signs) {  // kernels/cpu_rotation.cpp
@@ -158,7 +160,8 @@ struct Linear {
         switch (kind) {
             case QUANT: {
                 if (!on_library_kernel(rows, in.scalar_type(), half_gemv)) return quant_matmul(in);
-                at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
+                at::Tensor y = widened ? at::empty({rows, out_features}, in.options().dtype(at::kFloat))
+                                       : workspace.get(out, rows, out_features, in.scalar_type());
                 qrun_ops::quant_matmul_vnni(vnni, in, y);
                 return bias ? y.add_(bias->to(y.scalar_type())) : y;  // as CpuQuantMatmul.forward adds it
             }
@@ -182,6 +185,12 @@ struct Linear {
     Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
 
     bool may_take_half_gemv() const { return kind == HALF_GEMV || kind == HALF_GEMV_PACKED; }
+
+    // Whether `rows` rows of `dtype` may ask operator() for their product widened to float32: bfloat16 rows on the
+    // VNNI kernel, no bias (which the bfloat16 product adds before it is widened).
+    bool widens(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
+        return kind == QUANT && !bias && dtype == at::kBFloat16 && on_library_kernel(rows, dtype, half_gemv);
+    }
 
     // Whether `rows` rows of `dtype` multiply on a kernel of the library (the VNNI kernel, the float16 GEMV), which
     // splits its work over a held team (QrunTeam), rather than on torch's ops (AMX tiles and oneDNN among them)
@@ -548,7 +557,10 @@ class StepModel : public torch::CustomClassHolder {
     // Where every linear multiplies on the library's kernels, the step holds its threads as one team (QrunTeam) from
     // the embedding to the head: the kernels hand their shares to it instead of entering ~150 OpenMP regions (~1-1.5 us
     // each across a 2-core EPYC's two core complexes). torch's ops in between run on the calling thread, as in any
-    // region; so the logits' widening to float32 waits until the team is released.
+    // region; so the logits' widening to float32 waits until the team is released, where the head's kernel does not
+    // widen them as it stores them (a bfloat16 4-bit head: torch's widening of SmolLM2's 49,152 logits took ~23 us of
+    // a 2.5 ms step on a 2-core Xeon; C++ steps at one row of 200 tokens 1.009x with the kernel widening them,
+    // alternating in one process: one-off probes).
     at::Tensor step(const std::vector<int64_t>& ids, const StepMeta& meta, bool half_gemv,
                     const std::vector<int64_t>& sample_rows) {
         const int64_t rows = ids.size(), sampled = sample_rows.size();
@@ -559,6 +571,7 @@ class StepModel : public torch::CustomClassHolder {
                           std::all_of(layers_.begin(), layers_.end(), [&](const auto& layer) {
                               return layer->on_library_kernels(rows, dtype, half_gemv);
                           });
+        const bool widened = sampled && head_.widens(sampled, dtype, half_gemv);
         at::Tensor logits;
         const auto layers_and_head = [&] {
             at::Tensor x = embed(ids);
@@ -570,14 +583,14 @@ class StepModel : public torch::CustomClassHolder {
             qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
             if (!every_row)  // the head multiplies only the rows that sample, as the engine's compute_logits
                 normed = normed.index_select(0, tensor_of(sample_rows, {sampled}, at::kLong));
-            logits = sampled ? head_(normed, half_gemv, workspace_, Workspace::LOGITS)
+            logits = sampled ? head_(normed, half_gemv, workspace_, Workspace::LOGITS, widened)
                              : at::empty({0, head_.out_features}, normed.options());
         };
         if (held)
             QrunTeam::hold(at::get_num_threads(), layers_and_head);
         else
             layers_and_head();
-        return logits.to(at::kFloat, false, /*copy=*/true);
+        return widened ? logits : logits.to(at::kFloat, false, /*copy=*/true);
     }
 
     // Each row's first maximum of float32 logits [rows, vocab] (contiguous), -1 where a value is not finite (its

@@ -54,7 +54,8 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
                        int64_t k_high, int64_t input_digits, int64_t read_streams);
 
 // The VNNI kernel's y = x W^T (+ x[:, :k_high] W_high^T) for float32 or bfloat16 x [rows, k] (contiguous) into y
-// [rows, n] of x's dtype, its float32 sums rounded once to bfloat16 as they are stored.
+// [rows, n] of x's dtype, its float32 sums rounded once to bfloat16 as they are stored; or, for bfloat16 x, into
+// float32 y holding those bfloat16 values (the product as its bfloat16 result widened, in one pass).
 void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y);
 
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.

@@ -158,16 +158,23 @@ inline __m256i to_bfloat16(__m512 values) {
 #endif
 }
 
-// Where a call writes: y [rows, n] with row stride ldy (float32, or bfloat16 rounded once from the float32 sums).
+// What a call writes (qrun_quant_matmul's y_kind): float32 sums, bfloat16 rounded once from them, or that bfloat16
+// widened back to float32 (a bfloat16 model's logits as compute_logits widens them, with no pass of its own).
+enum OutputKind { FLOAT32 = 0, BFLOAT16 = 1, BFLOAT16_WIDENED = 2 };
+
+// Where a call writes: y [rows, n] with row stride ldy, of its kind.
 struct Output {
     void* y;
     int64_t ldy;
-    bool bfloat16;
+    OutputKind kind;
 
     void store(int64_t row, int64_t tile, __m512 values) const {
         const int64_t at = row * ldy + tile * TILE_N;
-        if (bfloat16)
+        if (kind == BFLOAT16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at), to_bfloat16(values));
+        else if (kind == BFLOAT16_WIDENED)
+            _mm512_storeu_ps(static_cast<float*>(y) + at,
+                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bfloat16(values)), 16)));
         else
             _mm512_storeu_ps(static_cast<float*>(y) + at, values);
     }
@@ -423,8 +430,8 @@ extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint
 #endif
 }
 
-// y [M, N] (float32, or bfloat16 when y_bfloat16; row stride ldy) = x[:, :K] W^T (x float32, or bfloat16 when
-// x_bfloat16; row stride ldx), with x rounded to `input_digits` (1 or 2) int8 digits per element. W: the low plane
+// y [M, N] (row stride ldy; y_kind 0: float32, 1: bfloat16, 2: float32 holding each value's bfloat16 rounding) =
+// x[:, :K] W^T (x float32, or bfloat16 when x_bfloat16; row stride ldx), with x rounded to `input_digits` (1 or 2) int8 digits per element. W: the low plane
 // (codes, scales, zeros, centers) over all K inputs plus, over the first k_high, the high plane's upper digits of
 // 5-8-bit codes (high_codes null: none; its scales, 16x the low plane's, are not read: checked where the planes are
 // made, by qrun_quant_matmul_upper_digits). At one or two rows each thread reads `read_streams` (1, 2 or 4) runs of
@@ -433,10 +440,11 @@ extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
                                  const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
-                                 int64_t k_high, void* y, int y_bfloat16, int64_t ldy, int64_t rows, int64_t n,
+                                 int64_t k_high, void* y, int y_kind, int64_t ldy, int64_t rows, int64_t n,
                                  int64_t k, int64_t group, int input_digits, int read_streams, int threads) {
 #ifdef QRUN_HAS_VNNI
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
+        y_kind < FLOAT32 || y_kind > BFLOAT16_WIDENED ||
         (high_codes && (k_high % group || k_high < 0 || k_high > k)) ||
         (read_streams != 1 && read_streams != 2 && read_streams != 4))
         return 1;
@@ -445,7 +453,7 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2, threads);
     const Weights weights{codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers,
                           high_codes ? k_high : 0};
-    const Output out{y, ldy, y_bfloat16 != 0};
+    const Output out{y, ldy, OutputKind(y_kind)};
     if (input_digits == 2)
         quant_matmul<true>(quantized, rows, weights, out, read_streams, threads);
     else
