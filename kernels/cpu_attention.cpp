@@ -212,12 +212,11 @@ constexpr bool unpacked_rows() {
 // bfloat16 values give two vectors, their 128-bit lanes' low four and high four words.
 constexpr int64_t unpacked_dim(int64_t v, int64_t lane) { return v / 2 * 32 + lane / 4 * 8 + v % 2 * 4 + lane % 4; }
 
-// Row `index` of a cache as dim / 16 vectors of floats for a decode pass. bfloat16 rows are unpacked beside a zero
-// word (the float's bits, in unpacked_dim's order): two unpacks per 32 values, where row_vectors widens each 16 with
-// a load and then shifts them, a vector operation beside the passes' FMAs. One row of 96 or 2,000 tokens in the caches,
-// one thread:
-// 1.11-1.14x with fused_multiply_add's chains; C++ steps of the 4.0-bpw model 1.01x at one row of 200 tokens, 1.03x
-// at one of 2,048, 1.05x at 16 rows of 500 (one-off probes, the old path alternating in one process).
+// Row `index` of a cache as dim / 16 vectors of floats for a decode pass. bfloat16 rows are unpacked beside a zero word
+// (the float's bits, in unpacked_dim's order): two unpacks per 32 values, where row_vectors widens each 16 with a load
+// and then shifts them, a vector operation beside the passes' FMAs. One row of 96 or 2,000 tokens in the caches, one
+// thread: 1.11-1.14x with fused_multiply_add's chains; C++ steps of the 4.0-bpw model 1.01x at one row of 200 tokens,
+// 1.03x at one of 2,048, 1.05x at 16 rows of 500 (one-off probes, the old path alternating in one process).
 template <int kind, int64_t dim>
 inline void decode_row_vectors(const void* data, int64_t index, const _Float16* scales, Floats* out) {
 #if defined(__AVX512BW__)
