@@ -432,11 +432,11 @@ extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint
 
 // y [M, N] (row stride ldy; y_kind 0: float32, 1: bfloat16, 2: float32 holding each value's bfloat16 rounding) =
 // x[:, :K] W^T (x float32, or bfloat16 when x_bfloat16; row stride ldx), with x rounded to `input_digits` (1 or 2)
-// int8 digits per element. W: the low plane (codes, scales, zeros, centers) over all K inputs plus, over the first k_high,
-// the high plane's upper digits of 5-8-bit codes (high_codes null: none; its scales, 16x the low plane's, are not read:
-// checked where the planes are made, by qrun_quant_matmul_upper_digits). At one or two rows each thread reads
-// `read_streams` (1, 2 or 4) runs of tiles side by side (the same result whatever the count). 0: done; 1: shapes the
-// layout does not cover (or another stream count); 2: no kernel in this build.
+// int8 digits per element. W: the low plane (codes, scales, zeros, centers) over all K inputs plus, over the first
+// k_high, the high plane's upper digits of 5-8-bit codes (high_codes null: none; its scales, 16x the low plane's, are
+// not read: checked where the planes are made, by qrun_quant_matmul_upper_digits). At one or two rows each thread
+// reads `read_streams` (1, 2 or 4) runs of tiles side by side (the same result whatever the count). 0: done; 1: shapes
+// the layout does not cover (or another stream count); 2: no kernel in this build.
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
                                  const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
