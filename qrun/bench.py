@@ -214,6 +214,17 @@ def decode_step_bytes(model, context: int, cache: "KVCacheSpec") -> int:
     return total + context * cache.bytes_per_token(model.config)
 
 
+def _fastest_seconds(call, repeats: int) -> float:
+    """The least wall time of `repeats` calls of `call`, after one more that warms it (faults pages in, wakes
+    threads)."""
+    best = math.inf
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """The machine's read bandwidth in bytes/s: the best of `repeats` sums over one buffer of `size_bytes` on torch's
     threads, each thread reading its share in 1, 2, 4 or 8 runs side by side (`kernels/cpu_read.cpp`, as the decode
@@ -228,34 +239,25 @@ def measure_read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float
     buffer = torch.ones(max(1, size_bytes // 4), dtype=torch.float32)
     reads = ([lambda streams=streams: torch.ops.qrun.read_sum(buffer, streams) for streams in (1, 2, 4, 8)]
              if cpu_library.available() else [buffer.sum])
-    best = math.inf
-    for read in reads:
-        for _ in range(repeats + 1):  # the first pass also faults the pages in
-            start = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best
+    return buffer.numel() * 4 / min(_fastest_seconds(read, repeats) for read in reads)
 
 
 def measure_arithmetic_rate(rounds: int = 1 << 20, repeats: int = 5) -> float:
     """The machine's arithmetic rate in float32 multiply-adds/s on torch's threads: the best of `repeats` runs of
     independent chains of multiply-adds on 16-float vectors (`kernels/cpu_read.cpp`; ~0.01 s each), the FMAs the
-    decode kernels run (a 2-core Xeon VM: 5.1-5.7 G 512-bit FMAs a second a core). A VM's host can slow its cores
-    apart from its memory (the same Xeon: a decode step's time moved 2.5-4.0 ms within minutes, `top` empty), which
-    the bandwidth readings need not show and which slows compute-bound work (attention over a long context, prefill)
-    more than a roofline of bytes allows for. 0 where the C++ kernels are not built."""
+    decode kernels run (a 2-core Xeon VM: 5.1-5.7 G 512-bit FMAs a second a core, one-off readings). A VM's host can
+    slow its cores apart from its memory (the same Xeon: a decode step's time moved 2.5-4.0 ms within minutes, `top`
+    empty, in one-off probes), which the bandwidth readings need not show and which slows compute-bound work
+    (attention over a long context, prefill) more than a roofline of bytes allows for. 0 where the C++ kernels are not
+    built."""
     import torch
 
     from qrun.kernels import cpu_library
 
     if not cpu_library.available():
         return 0.0
-    best = math.inf
-    for _ in range(repeats + 1):  # the first run wakes the threads
-        start = time.perf_counter()
-        torch.ops.qrun.multiply_adds(rounds)
-        best = min(best, time.perf_counter() - start)
-    return rounds * 12 * 16 * torch.get_num_threads() / best
+    seconds = _fastest_seconds(lambda: torch.ops.qrun.multiply_adds(rounds), repeats)
+    return rounds * 12 * 16 * torch.get_num_threads() / seconds
 
 
 # Readings of one run further apart than this (largest / smallest) mean something outside the VM
