@@ -7,20 +7,11 @@
 
 namespace {
 
-// silu(x) = x / (1 + e^-x), from e^-|x| (never overflowing): x / (1 + t) for x >= 0, x t / (1 + t) below.
+// qrun_silu16 of one value (the same results), for a row's last values.
 inline float silu(float x) {
     const float t = qrun_exp_nonpositive(-std::fabs(x));
     return (x >= 0.f ? x : x * t) / (1.f + t);
 }
-
-#if defined(__AVX512F__)
-// silu of 16 floats, as silu() computes each (the same results).
-inline __m512 silu16(__m512 x) {
-    const __m512 t = qrun_exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    const __m512 top = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, t);
-    return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.f), t));
-}
-#endif
 
 // As the reference rounds: the SiLU to the rows' dtype, then the product.
 template <int kind>
@@ -33,10 +24,9 @@ void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, 
         char* out_row = static_cast<char*>(out) + r * width * bytes;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= width; i += 16) {
-            const __m512 activated = qrun_round16<kind>(silu16(qrun_load16<kind>(gate_row, i)));
-            qrun_store16<kind>(out_row, i, _mm512_mul_ps(activated, qrun_load16<kind>(up_row, i)));
-        }
+        for (; i + 16 <= width; i += 16)
+            qrun_store16<kind>(out_row, i,
+                               qrun_gated16<kind>(qrun_load16<kind>(gate_row, i), qrun_load16<kind>(up_row, i)));
 #endif
         for (; i < width; i++) {
             const float activated = qrun_round_value<kind>(silu(qrun_load_value<kind>(gate_row, i)));

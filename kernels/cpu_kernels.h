@@ -289,6 +289,23 @@ inline __m512 qrun_exp_nonpositive16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// silu(x) = x / (1 + e^-x) of 16 floats, from e^-|x| (never overflowing): x / (1 + t) for x >= 0, x t / (1 + t) below.
+inline __m512 qrun_silu16(__m512 x) {
+    const __m512 t = qrun_exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 top = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), x, t);
+    return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.f), t));
+}
+
+// silu(gate) * up of 16 values of a row of the kind, rounded as activation.py's reference rounds: the SiLU to the
+// kind, then the product (as qrun_store16 stores it). kernels/cpu_activation.cpp's pass, and the VNNI kernel's gated
+// store.
+template <int kind>
+inline __m512 qrun_gated16(__m512 gate, __m512 up) {
+    return _mm512_mul_ps(qrun_round16<kind>(qrun_silu16(gate)), up);
+}
+#endif
+
 // 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
 // compiler keeps in registers.
 using qrun_floats = float __attribute__((vector_size(64)));
@@ -316,8 +333,8 @@ extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, 
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
                                  const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
-                                 int64_t k_high, void* y, int y_kind, int64_t ldy, int64_t rows, int64_t n,
-                                 int64_t k, int64_t group, int input_digits, int read_streams, int threads);
+                                 int64_t k_high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
+                                 int64_t n, int64_t k, int64_t group, int input_digits, int read_streams, int threads);
 extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint16_t* high_scales, int64_t n,
                                               int64_t k, int64_t k_high, int64_t group);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,

@@ -139,12 +139,16 @@ struct Linear {
         return stack[0].toTensor();
     }
 
+    // What operator() gives: the product in x's dtype; WIDENED (where widens() allows it) a new float32 tensor of the
+    // bfloat16 product's values, written by the VNNI kernel as it stores them; GATED (where gates() allows it) silu of
+    // the product's first half of the columns times its second, as the VNNI kernel stores them.
+    enum Product { AS_INPUT, WIDENED, GATED };
+
     // The product of x [rows, in] (contiguous): where a kernel of the library multiplies (the VNNI kernel, the
     // float16 GEMV), into the workspace's slot `out`; else a new tensor. The input rotation and act order's gather
-    // go to the workspace too. widened (where widens() allows it): a new float32 tensor of the bfloat16 product's
-    // values, written by the VNNI kernel as it stores them.
+    // go to the workspace too.
     at::Tensor operator()(const at::Tensor& x, bool half_gemv, Workspace& workspace, Slot out,
-                          bool widened = false) const {
+                          Product product = AS_INPUT) const {
         const int64_t rows = x.size(0);
         at::Tensor in = x;
         if (signs) {  // kernels/cpu_rotation.cpp
@@ -160,9 +164,11 @@ struct Linear {
         switch (kind) {
             case QUANT: {
                 if (!on_library_kernel(rows, in.scalar_type(), half_gemv)) return quant_matmul(in);
-                at::Tensor y = widened ? at::empty({rows, out_features}, in.options().dtype(at::kFloat))
-                                       : workspace.get(out, rows, out_features, in.scalar_type());
-                qrun_ops::quant_matmul_vnni(vnni, in, y);
+                at::Tensor y = product == WIDENED
+                                   ? at::empty({rows, out_features}, in.options().dtype(at::kFloat))
+                                   : workspace.get(out, rows, out_features / (product == GATED ? 2 : 1),
+                                                   in.scalar_type());
+                qrun_ops::quant_matmul_vnni(vnni, in, y, product == GATED);
                 return bias ? y.add_(bias->to(y.scalar_type())) : y;  // as CpuQuantMatmul.forward adds it
             }
             case DENSE:
@@ -190,6 +196,13 @@ struct Linear {
     // VNNI kernel, no bias (which the bfloat16 product adds before it is widened).
     bool widens(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
         return kind == QUANT && !bias && dtype == at::kBFloat16 && on_library_kernel(rows, dtype, half_gemv);
+    }
+
+    // Whether `rows` rows of `dtype` may ask operator() for their product GATED: float32 or bfloat16 rows on the VNNI
+    // kernel, no bias (added before the activation), a multiple of 32 columns (whole channel tiles in each half).
+    bool gates(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
+        return kind == QUANT && !bias && (dtype == at::kBFloat16 || dtype == at::kFloat) && out_features % 32 == 0 &&
+               on_library_kernel(rows, dtype, half_gemv);
     }
 
     // Whether `rows` rows of `dtype` multiply on a kernel of the library (the VNNI kernel, the float16 GEMV), which
@@ -313,13 +326,29 @@ class StepLayer : public torch::CustomClassHolder {
         const at::Tensor projected = contiguous(linears_[1](attended, half_gemv, workspace, Workspace::PROJECTED));
         qrun_ops::add_rms_norm_into(projected, residual, post_attention_norm_, eps_, normed, residual);
 
-        const at::Tensor gate_up = contiguous(linears_[2](normed, half_gemv, workspace, Workspace::GATE_UP));
-        const int64_t inner = gate_up.size(1) / 2;  // kernels/cpu_activation.cpp
-        const at::Tensor gated = workspace.get(Workspace::GATED, rows, inner, x.scalar_type());
-        qrun_silu_and_mul(std::is_same_v<T, float> ? QRUN_F32 : QRUN_BF16, gate_up.data_ptr(),
-                          static_cast<const T*>(gate_up.data_ptr()) + inner, gate_up.size(1), gated.data_ptr(), rows,
+        return {linears_[3](gated<T>(normed, half_gemv, workspace), half_gemv, workspace, Workspace::HIDDEN),
+                residual};
+    }
+
+    // silu(gate) * up of the fused gate/up product of `normed`: stored so by the VNNI kernel where it multiplies,
+    // else by kernels/cpu_activation.cpp after the product. The pass of its own ran on the calling thread alone at a
+    // few rows (1.2-1.7 us of a ~80 us layer at one row, on a 2-core Xeon); C++ steps of a 4.0-bpw SmolLM2 with the
+    // kernel storing it, alternating with that pass in one process (one-off probes, 10-16 rounds): one row of 200
+    // tokens 1.008x and 1.009x, of 1,000 0.98x, 1.026x and 1.009x; two rows of 300 0.94x, 1.027x and 1.028x; 8 rows of
+    // 300 1.011x.
+    template <typename T>
+    at::Tensor gated(const at::Tensor& normed, bool half_gemv, Workspace& workspace) const {
+        const Linear& gate_up = linears_[2];
+        const int64_t rows = normed.size(0);
+        if (gate_up.gates(rows, normed.scalar_type(), half_gemv))
+            return gate_up(normed, half_gemv, workspace, Workspace::GATED, Linear::GATED);
+        const at::Tensor product = contiguous(gate_up(normed, half_gemv, workspace, Workspace::GATE_UP));
+        const int64_t inner = product.size(1) / 2;  // kernels/cpu_activation.cpp
+        const at::Tensor out = workspace.get(Workspace::GATED, rows, inner, normed.scalar_type());
+        qrun_silu_and_mul(std::is_same_v<T, float> ? QRUN_F32 : QRUN_BF16, product.data_ptr(),
+                          static_cast<const T*>(product.data_ptr()) + inner, product.size(1), out.data_ptr(), rows,
                           inner, at::get_num_threads());
-        return {linears_[3](gated, half_gemv, workspace, Workspace::HIDDEN), residual};
+        return out;
     }
 
     // float32 [rows, heads * head_dim] queries' attention over the cache (kernels/cpu_attention.cpp), float32.
@@ -583,7 +612,8 @@ class StepModel : public torch::CustomClassHolder {
             qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
             if (!every_row)  // the head multiplies only the rows that sample, as the engine's compute_logits
                 normed = normed.index_select(0, tensor_of(sample_rows, {sampled}, at::kLong));
-            logits = sampled ? head_(normed, half_gemv, workspace_, Workspace::LOGITS, widened)
+            logits = sampled ? head_(normed, half_gemv, workspace_, Workspace::LOGITS,
+                                     widened ? Linear::WIDENED : Linear::AS_INPUT)
                              : at::empty({0, head_.out_features}, normed.options());
         };
         if (held)

@@ -514,23 +514,25 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
     return planes;
 }
 
-void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y) {
+void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated) {
     const bool bfloat16 = x.scalar_type() == at::kBFloat16, widened = bfloat16 && y.scalar_type() == at::kFloat;
+    const int64_t columns = gated ? planes.n / 2 : planes.n;
     TORCH_CHECK((bfloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && y.dim() == 2 &&
-                    y.is_contiguous() && (y.scalar_type() == x.scalar_type() || widened) && y.size(0) == x.size(0) &&
-                    y.size(1) == planes.n,
+                    y.is_contiguous() && (y.scalar_type() == x.scalar_type() || (widened && !gated)) &&
+                    y.size(0) == x.size(0) && y.size(1) == columns,
                 "quant_matmul: x must be contiguous float32 or bfloat16 [rows, k] and y of its dtype (or float32 "
-                "for bfloat16 x) [rows, ", planes.n, "], got ", x.scalar_type(), " ", x.sizes(), " and ",
+                "for bfloat16 x, not gated) [rows, ", columns, "], got ", x.scalar_type(), " ", x.sizes(), " and ",
                 y.scalar_type(), " ", y.sizes());
     TORCH_CHECK(x.size(1) == planes.low.k, "quant_matmul: x ", x.sizes(), " does not match the packed [", planes.n,
                 ", ", planes.low.k, "] weight");
     const int status = qrun_quant_matmul(x.data_ptr(), bfloat16, x.stride(0), planes.low.codes, planes.low.scales,
                                          planes.low.zeros, planes.low.centers, planes.high.codes, planes.high.zeros,
                                          planes.high.centers, planes.high.k, y.data_ptr(), widened ? 2 : bfloat16,
-                                         y.stride(0), x.size(0), planes.n, planes.low.k, planes.group,
+                                         gated, y.stride(0), x.size(0), planes.n, planes.low.k, planes.group,
                                          planes.input_digits, planes.read_streams, at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", planes.low.k, "] by a [",
-                planes.n, ", ", planes.low.k, "] weight in groups of ", planes.group, " (status ", status, ")");
+                planes.n, ", ", planes.low.k, "] weight in groups of ", planes.group, gated ? ", gated" : "",
+                " (status ", status, ")");
 }
 
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {

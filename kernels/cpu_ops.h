@@ -55,8 +55,10 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
 
 // The VNNI kernel's y = x W^T (+ x[:, :k_high] W_high^T) for float32 or bfloat16 x [rows, k] (contiguous) into y
 // [rows, n] of x's dtype, its float32 sums rounded once to bfloat16 as they are stored; or, for bfloat16 x, into
-// float32 y holding those bfloat16 values (the product as its bfloat16 result widened, in one pass).
-void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y);
+// float32 y holding those bfloat16 values (the product as its bfloat16 result widened, in one pass). gated (n a
+// multiple of 32; y of x's dtype): y [rows, n / 2] = silu of the product's first n / 2 columns times its last, as
+// kernels/cpu_activation.cpp computes it from the rounded product, with no pass of its own.
+void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated = false);
 
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);

@@ -162,21 +162,40 @@ inline __m256i to_bfloat16(__m512 values) {
 // widened back to float32 (a bfloat16 model's logits as compute_logits widens them, with no pass of its own).
 enum OutputKind { FLOAT32 = 0, BFLOAT16 = 1, BFLOAT16_WIDENED = 2 };
 
-// Where a call writes: y [rows, n] with row stride ldy, of its kind.
+// Where a call writes: y [rows, n] with row stride ldy, of its kind. Or, where gate_tiles is set (n = 2 x 16
+// gate_tiles), gated: y [rows, n / 2] = silu(gate) * up of the product's first n / 2 channels (the gates) and its last
+// (the ups), as kernels/cpu_activation.cpp computes it from the rounded product (float32 or bfloat16). A gate tile's
+// values wait in y where their product goes until the same thread stores its up tile (each thread's tiles ordered so:
+// its work is gate tiles with their up tiles), so the MLP's activation needs no pass of its own after the product.
 struct Output {
     void* y;
     int64_t ldy;
     OutputKind kind;
+    int64_t gate_tiles = 0;
 
     void store(int64_t row, int64_t tile, __m512 values) const {
+        if (gate_tiles && tile >= gate_tiles) return store_gated(row * ldy + (tile - gate_tiles) * TILE_N, values);
         const int64_t at = row * ldy + tile * TILE_N;
         if (kind == BFLOAT16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at), to_bfloat16(values));
         else if (kind == BFLOAT16_WIDENED)
-            _mm512_storeu_ps(static_cast<float*>(y) + at,
-                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bfloat16(values)), 16)));
+            _mm512_storeu_ps(static_cast<float*>(y) + at, widen(to_bfloat16(values)));
         else
             _mm512_storeu_ps(static_cast<float*>(y) + at, values);
+    }
+
+  private:
+    static __m512 widen(__m256i bfloat16) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bfloat16), 16));
+    }
+
+    // the up tile's values at y[at]: silu of the gate stored there, times them
+    void store_gated(int64_t at, __m512 up) const {
+        if (kind == BFLOAT16)
+            qrun_store16<QRUN_BF16>(
+                y, at, qrun_gated16<QRUN_BF16>(qrun_load16<QRUN_BF16>(y, at), widen(to_bfloat16(up))));
+        else
+            qrun_store16<QRUN_F32>(y, at, qrun_gated16<QRUN_F32>(qrun_load16<QRUN_F32>(y, at), up));
     }
 };
 
@@ -289,28 +308,44 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
 // SmolLM2 1.64 -> 1.02 ms), on a 2-core EPYC (Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2
 // / 1 streams). So the count is a parameter (kernels/read_streams.py measures it on the model at load).
 
-// Each thread's tiles in STREAMS parts read side by side, the rest one at a time.
-template <int R, bool two_digits, int STREAMS>
+// Each thread's units in STREAMS runs read side by side, the rest one at a time. A unit is a channel tile, or where
+// the product is gated (Output) a gate tile and its up tile, side by side and stored in that order: STREAMS / 2 runs of
+// them (one at one stream).
+template <int R, bool two_digits, int STREAMS, bool gated>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
-    const int64_t tiles = weights.n / TILE_N;
+    constexpr int TILES = gated ? 2 : 1, RUNS = std::max(1, STREAMS / TILES);
+    const int64_t units = weights.n / TILE_N / TILES;
+    const auto unit_tiles = [&](int64_t unit, int64_t* tiles, int runs) {  // gates first, then their ups
+        tiles[0] = unit;
+        if constexpr (gated) tiles[runs] = units + unit;
+    };
     qrun_parallel(threads, [&](int64_t part, int64_t parts) {
-        const int64_t first = tiles * part / parts, last = tiles * (part + 1) / parts;
-        const int64_t quarter = (last - first) / STREAMS;
-        for (int64_t j = 0; j < quarter; j++) {
-            int64_t side_by_side[STREAMS];
-            for (int s = 0; s < STREAMS; s++) side_by_side[s] = first + s * quarter + j;
-            tile_rows<R, STREAMS, two_digits>(weights, x, 0, out, side_by_side);
+        const int64_t first = units * part / parts, last = units * (part + 1) / parts;
+        const int64_t run = (last - first) / RUNS;
+        for (int64_t j = 0; j < run; j++) {
+            int64_t side_by_side[TILES * RUNS];
+            for (int r = 0; r < RUNS; r++) unit_tiles(first + r * run + j, side_by_side + r, RUNS);
+            tile_rows<R, TILES * RUNS, two_digits>(weights, x, 0, out, side_by_side);
         }
-        for (int64_t tile = first + STREAMS * quarter; tile < last; tile++)
-            tile_rows<R, 1, two_digits>(weights, x, 0, out, &tile);
+        for (int64_t unit = first + RUNS * run; unit < last; unit++) {
+            int64_t tiles[TILES];
+            unit_tiles(unit, tiles, 1);
+            tile_rows<R, TILES, two_digits>(weights, x, 0, out, tiles);
+        }
     });
+}
+
+template <int R, bool two_digits, bool gated>
+void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int streams, int threads) {
+    if (streams == 1) return few_rows<R, two_digits, 1, gated>(x, weights, out, threads);
+    if (streams == 2) return few_rows<R, two_digits, 2, gated>(x, weights, out, threads);
+    few_rows<R, two_digits, 4, gated>(x, weights, out, threads);
 }
 
 template <int R, bool two_digits>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int streams, int threads) {
-    if (streams == 1) return few_rows<R, two_digits, 1>(x, weights, out, threads);
-    if (streams == 2) return few_rows<R, two_digits, 2>(x, weights, out, threads);
-    few_rows<R, two_digits, 4>(x, weights, out, threads);
+    if (out.gate_tiles) return few_rows<R, two_digits, true>(x, weights, out, streams, threads);
+    few_rows<R, two_digits, false>(x, weights, out, streams, threads);
 }
 
 template <bool two_digits>
@@ -320,15 +355,18 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
     if (rows == 2) return few_rows<2, two_digits>(x, weights, out, streams, threads);
     constexpr int64_t R = ROW_TILE<two_digits>;
     const int64_t block_rows = std::max<int64_t>(1, ROW_BLOCK_BYTES / weights.k / R) * R;
-    const int64_t tiles = weights.n / TILE_N;
+    const int64_t tiles = weights.n / TILE_N, gate_tiles = out.gate_tiles;
+    // a thread's tiles in order: gated, each gate tile and then its up tile (Output)
+    const int64_t units = gate_tiles ? gate_tiles : tiles;
     qrun_parallel(threads, [&](int64_t part, int64_t parts) {
         for (int64_t first = 0; first < rows; first += block_rows) {
             const int64_t last = std::min(rows, first + block_rows);
-            for (int64_t tile = tiles * part / parts; tile < tiles * (part + 1) / parts; tile++) {
-                int64_t m0 = first;
-                for (; m0 + R <= last; m0 += R) tile_rows<R, 1, two_digits>(weights, x, m0, out, &tile);
-                remaining_rows<R - 1, two_digits>(last - m0, weights, x, m0, out, tile);
-            }
+            for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++)
+                for (int64_t tile = unit; tile < tiles; tile += gate_tiles ? gate_tiles : tiles) {
+                    int64_t m0 = first;
+                    for (; m0 + R <= last; m0 += R) tile_rows<R, 1, two_digits>(weights, x, m0, out, &tile);
+                    remaining_rows<R - 1, two_digits>(last - m0, weights, x, m0, out, tile);
+                }
         }
     });
 }
@@ -432,19 +470,22 @@ extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint
 
 // y [M, N] (row stride ldy; y_kind 0: float32, 1: bfloat16, 2: float32 holding each value's bfloat16 rounding) =
 // x[:, :K] W^T (x float32, or bfloat16 when x_bfloat16; row stride ldx), with x rounded to `input_digits` (1 or 2)
-// int8 digits per element. W: the low plane (codes, scales, zeros, centers) over all K inputs plus, over the first
-// k_high, the high plane's upper digits of 5-8-bit codes (high_codes null: none; its scales, 16x the low plane's, are
-// not read: checked where the planes are made, by qrun_quant_matmul_upper_digits). At one or two rows each thread
-// reads `read_streams` (1, 2 or 4) runs of tiles side by side (the same result whatever the count). 0: done; 1: shapes
-// the layout does not cover (or another stream count); 2: no kernel in this build.
+// int8 digits per element; or where `gated` (N a multiple of 32, y_kind 0 or 1), y [M, N / 2] = silu of the product's
+// first N / 2 columns times its last, rounded as kernels/cpu_activation.cpp rounds them. W: the low plane (codes,
+// scales, zeros, centers) over all K inputs plus, over the first k_high, the high plane's upper digits of 5-8-bit
+// codes (high_codes null: none; its scales, 16x the low plane's, are not read: checked where the planes are made, by
+// qrun_quant_matmul_upper_digits). At one or two rows each thread reads `read_streams` (1, 2 or 4) runs of tiles side
+// by side (the same result whatever the count). 0: done; 1: shapes the layout does not cover (or another stream
+// count); 2: no kernel in this build.
 extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
                                  const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
                                  const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
-                                 int64_t k_high, void* y, int y_kind, int64_t ldy, int64_t rows, int64_t n,
-                                 int64_t k, int64_t group, int input_digits, int read_streams, int threads) {
+                                 int64_t k_high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
+                                 int64_t n, int64_t k, int64_t group, int input_digits, int read_streams, int threads) {
 #ifdef QRUN_HAS_VNNI
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
         y_kind < FLOAT32 || y_kind > BFLOAT16_WIDENED ||
+        (gated && (n % (2 * TILE_N) || y_kind == BFLOAT16_WIDENED)) ||
         (high_codes && (k_high % group || k_high < 0 || k_high > k)) ||
         (read_streams != 1 && read_streams != 2 && read_streams != 4))
         return 1;
@@ -453,7 +494,7 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2, threads);
     const Weights weights{codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers,
                           high_codes ? k_high : 0};
-    const Output out{y, ldy, OutputKind(y_kind)};
+    const Output out{y, ldy, OutputKind(y_kind), gated ? n / TILE_N / 2 : 0};
     if (input_digits == 2)
         quant_matmul<true>(quantized, rows, weights, out, read_streams, threads);
     else

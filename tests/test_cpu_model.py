@@ -150,6 +150,34 @@ def test_cpu_model_runs_a_mixed_bit_model_as_the_torch_model(tiny_llama64_dir, c
     assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
 
 
+@pytest.fixture(scope="module")
+def quantized_tiny64(tiny_llama64_dir, calib_file, tmp_path_factory):
+    path = tmp_path_factory.mktemp("quantized") / "llama-q"
+    convert(tiny_llama64_dir, path, bits=4.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
+    return path
+
+
+@pytest.mark.skipif(not cpu_quant_matmul.available(), reason="the 4-bit C++ matmul needs AVX512-VNNI")
+@pytest.mark.parametrize("streams", READ_STREAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_products_give_the_torch_models_logits_at_every_read_stream_count(quantized_tiny64, monkeypatch,
+                                                                               streams, dtype):
+    """The VNNI kernel stores the MLP's silu(gate) * up as it multiplies gate/up: at one or two rows each thread
+    reads its gate tiles beside their up tiles, in runs by the stream count; three threads split the 32 pairs
+    unevenly, so some pairs run alone after the runs."""
+    monkeypatch.setattr(cpu_model, "fastest_read_streams", lambda sweep, repeats: streams)
+    llm = engine(quantized_tiny64, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for batch in (1, 2):
+            (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
+            assert torch.equal(cpp_logits, torch_logits)
+            assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not cpu_quant_matmul.available(), reason="the 4-bit C++ matmul needs AVX512-VNNI")
 def test_cpu_model_runs_a_quantized_head_as_the_torch_model(calib_file, tmp_path):
     """A vocabulary of a multiple of 16 gives the head the VNNI kernel's planes (the tiny models' 300
