@@ -478,7 +478,7 @@ void decode_attention(const Step& step) {
     const int64_t heads = step.num_q_heads;
     // work items: (decode row's sequence, chunk of its tokens); chunk_start[i]: sequence i's first chunk. Buffers the
     // calling thread keeps between calls: a decode step at batch 1 makes 30 of them. The threads sharing the work
-    // reach the caller's through these references (a thread_local name is each thread's own).
+    // reach the caller's through pointers to them (a thread_local name is each thread's own).
     thread_local std::vector<int64_t> kept_chunk_start;
     thread_local std::vector<float> kept_partials;
     std::vector<int64_t>& chunk_start = kept_chunk_start;
@@ -491,22 +491,24 @@ void decode_attention(const Step& step) {
     }
     const int64_t chunks = chunk_start[step.num_seqs], per_chunk = heads * (dim + 2);
     partials.resize(chunks * per_chunk);  // per chunk: top[heads], sum[heads], acc[heads, dim], all written
-    const auto partial_of = [&](int64_t chunk) {
-        float* at = partials.data() + chunk * per_chunk;
-        return Partial{at, at + heads, at + 2 * heads};
+    const auto partial_of = [at = partials.data(), per_chunk, heads](int64_t chunk) {
+        float* first = at + chunk * per_chunk;
+        return Partial{first, first + heads, first + 2 * heads};
     };
     // the chunks taken one at a time by the threads that attend (the chunks of a long sequence and a short one differ),
-    // each thread with query and score buffers it keeps
+    // each thread with query and score buffers it keeps; by value what each reads again and again (QrunTeam::run says
+    // why)
     std::atomic<int64_t> next_chunk{0};
     const bool fetch_up_front = chunks <= step.threads;  // one chunk a thread (attend_chunk says why)
-    const auto attend = [&](int, int) {
+    const auto attend = [&next_chunk, step, heads, chunks, fetch_up_front, partial_of, starts = chunk_start.data(),
+                         ends = chunk_start.data() + chunk_start.size()](int, int) {
         thread_local std::vector<float> queries, scores;
         queries.resize(heads * dim);
         scores.resize(heads * (MAX_CHUNK + LANES));
         for (int64_t chunk; (chunk = next_chunk.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-            const auto after = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk);
-            const int64_t seq = after - chunk_start.begin() - 1;
-            const int64_t tokens = chunk_tokens(step.seq_lens[seq]), begin = (chunk - chunk_start[seq]) * tokens;
+            const int64_t* after = std::upper_bound(starts, ends, chunk);
+            const int64_t seq = after - starts - 1;
+            const int64_t tokens = chunk_tokens(step.seq_lens[seq]), begin = (chunk - starts[seq]) * tokens;
             const float* q = step.q + step.query_start_loc[seq] * heads * dim;
             reorder_rows<kind, dim, true>(q, queries.data(), heads, step.scale);
             attend_chunk<kind, dim>(step, queries.data(), step.block_tables + seq * step.table_width, begin,

@@ -79,10 +79,11 @@ void dot_channels(const uint16_t* w, const int64_t* channels, int64_t k, const f
 template <int64_t ROWS, int64_t STREAMS>
 void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y, int kind, int64_t ldy, int64_t n,
                int64_t k, int threads) {
-    const auto finish = [&](int64_t channel, float sum, int64_t r) {
+    const auto finish = [=](int64_t channel, float sum, int64_t r) {
         store(y, kind, r * ldy + channel, sum + (bias ? half_to_float(bias[channel]) : 0.f));
     };
-    qrun_parallel(threads, [&](int64_t part, int64_t parts) {
+    // by value: what each thread reads again and again (QrunTeam::run says why)
+    qrun_parallel(threads, [=](int64_t part, int64_t parts) {
         const int64_t first = n * part / parts, last = n * (part + 1) / parts, share = (last - first) / STREAMS;
         float sums[STREAMS * ROWS];
         for (int64_t j = 0; j < share; j++) {

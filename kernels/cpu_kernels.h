@@ -90,7 +90,9 @@ class QrunTeam {
     // calls below may write (return addresses, spills) while the others read their captures from it again and again,
     // each time a trip between the cores (C++ steps of a 4.0-bpw SmolLM2 on a 2-core Xeon, against reading it in
     // place, alternating in one process: one row of 200 tokens 1.08-1.11x over four runs, of 1,000 1.11x, two rows of
-    // 300 1.10x, 4 rows 1.00x; the dense bfloat16 model at one row 1.02x: one-off probes).
+    // 300 1.10x, 4 rows 1.00x; the dense bfloat16 model at one row 1.02x: one-off probes). For the same reason a body
+    // captures by value what it reads again and again (its references lead back to the holder's stack): the VNNI
+    // kernel's tile loop at one row 1.02x and 1.04x, the decode attention's 0.99-1.02x.
     template <typename Body>
     void run(int parts, const Body& body) {
         post(

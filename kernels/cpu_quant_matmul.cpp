@@ -315,11 +315,12 @@ template <int R, bool two_digits, int STREAMS, bool gated>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
     constexpr int TILES = gated ? 2 : 1, RUNS = std::max(1, STREAMS / TILES);
     const int64_t units = weights.n / TILE_N / TILES;
-    const auto unit_tiles = [&](int64_t unit, int64_t* tiles, int runs) {  // gates first, then their ups
+    const auto unit_tiles = [units](int64_t unit, int64_t* tiles, int runs) {  // gates first, then their ups
         tiles[0] = unit;
         if constexpr (gated) tiles[runs] = units + unit;
     };
-    qrun_parallel(threads, [&](int64_t part, int64_t parts) {
+    // by value: what each thread reads again and again (QrunTeam::run says why)
+    qrun_parallel(threads, [&x, weights, out, units, unit_tiles](int64_t part, int64_t parts) {
         const int64_t first = units * part / parts, last = units * (part + 1) / parts;
         const int64_t run = (last - first) / RUNS;
         for (int64_t j = 0; j < run; j++) {
@@ -358,7 +359,7 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
     const int64_t tiles = weights.n / TILE_N, gate_tiles = out.gate_tiles;
     // a thread's tiles in order: gated, each gate tile and then its up tile (Output)
     const int64_t units = gate_tiles ? gate_tiles : tiles;
-    qrun_parallel(threads, [&](int64_t part, int64_t parts) {
+    qrun_parallel(threads, [&x, weights, out, rows, block_rows, tiles, gate_tiles, units](int64_t part, int64_t parts) {
         for (int64_t first = 0; first < rows; first += block_rows) {
             const int64_t last = std::min(rows, first + block_rows);
             for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++)
