@@ -150,6 +150,8 @@ struct Linear {
     at::Tensor operator()(const at::Tensor& x, bool half_gemv, Workspace& workspace, Slot out,
                           Product product = AS_INPUT) const {
         const int64_t rows = x.size(0);
+        TORCH_CHECK(product == AS_INPUT || (kind == QUANT && on_library_kernel(rows, x.scalar_type(), half_gemv)),
+                    "StepLayer: a widened or gated product needs the VNNI kernel (widens() and gates() say where)");
         at::Tensor in = x;
         if (signs) {  // kernels/cpu_rotation.cpp
             at::Tensor rotated = workspace.get(Workspace::ROTATED, rows, in.size(1), in.scalar_type());
