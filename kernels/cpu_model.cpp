@@ -150,8 +150,11 @@ struct Linear {
     at::Tensor operator()(const at::Tensor& x, bool half_gemv, Workspace& workspace, Slot out,
                           Product product = AS_INPUT) const {
         const int64_t rows = x.size(0);
-        TORCH_CHECK(product == AS_INPUT || (kind == QUANT && on_library_kernel(rows, x.scalar_type(), half_gemv)),
-                    "StepLayer: a widened or gated product needs the VNNI kernel (widens() and gates() say where)");
+        const at::ScalarType dtype = x.scalar_type();
+        TORCH_CHECK(product == AS_INPUT ||
+                        (product == WIDENED ? widens(rows, dtype, half_gemv) : gates(rows, dtype, half_gemv)),
+                    "StepLayer: a widened or gated product needs the VNNI kernel and no bias (widens() and gates() say "
+                    "where)");
         at::Tensor in = x;
         if (signs) {  // kernels/cpu_rotation.cpp
             at::Tensor rotated = workspace.get(Workspace::ROTATED, rows, in.size(1), in.scalar_type());
@@ -194,17 +197,22 @@ struct Linear {
 
     bool may_take_half_gemv() const { return kind == HALF_GEMV || kind == HALF_GEMV_PACKED; }
 
-    // Whether `rows` rows of `dtype` may ask operator() for their product widened to float32: bfloat16 rows on the
-    // VNNI kernel, no bias (which the bfloat16 product adds before it is widened).
+    // Whether `rows` rows of `dtype` may ask operator() for their product widened to float32: bfloat16 rows.
     bool widens(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
-        return kind == QUANT && !bias && dtype == at::kBFloat16 && on_library_kernel(rows, dtype, half_gemv);
+        return dtype == at::kBFloat16 && stores_last(rows, dtype, half_gemv);
     }
 
-    // Whether `rows` rows of `dtype` may ask operator() for their product GATED: float32 or bfloat16 rows on the VNNI
-    // kernel, no bias (added before the activation), a multiple of 32 columns (whole channel tiles in each half).
+    // Whether `rows` rows of `dtype` may ask operator() for their product GATED: float32 or bfloat16 rows, a multiple
+    // of 32 columns (whole channel tiles in each half).
     bool gates(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
-        return kind == QUANT && !bias && (dtype == at::kBFloat16 || dtype == at::kFloat) && out_features % 32 == 0 &&
-               on_library_kernel(rows, dtype, half_gemv);
+        return (dtype == at::kBFloat16 || dtype == at::kFloat) && out_features % 32 == 0 &&
+               stores_last(rows, dtype, half_gemv);
+    }
+
+    // Whether the VNNI kernel multiplies `rows` rows of `dtype` with nothing added to its stores after (no bias): where
+    // it may store the product in another form than x's (widens(), gates()).
+    bool stores_last(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
+        return kind == QUANT && !bias && on_library_kernel(rows, dtype, half_gemv);
     }
 
     // Whether `rows` rows of `dtype` multiply on a kernel of the library (the VNNI kernel, the float16 GEMV), which
