@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 import sys
 
 import pytest
@@ -84,6 +86,48 @@ def test_ctrl_c_before_the_answer_streams_interrupts_the_turn_and_leaves_the_con
     monkeypatch.undo()
     app.answer("hello")
     assert [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("when", ["inside the console's bookkeeping", "as an output streams"])
+def test_ctrl_c_anywhere_in_an_answer_stops_it_and_leaves_the_display_working(tiny_llm, monkeypatch, when):
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True)  # so the answer's display renders as it streams
+    app = ChatApp(session, console)
+    if when == "inside the console's bookkeeping":
+        # the first time the display starts buffering, between its count and the `with` that undoes it: a
+        # KeyboardInterrupt raised there left every later print in the buffer (the chat went silent)
+        enter_buffer = Console._enter_buffer
+
+        def interrupted_once(self):
+            enter_buffer(self)
+            monkeypatch.setattr(Console, "_enter_buffer", enter_buffer)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        monkeypatch.setattr(Console, "_enter_buffer", interrupted_once)
+    else:
+        stream_outputs = tiny_llm.stream_outputs
+
+        def interrupted_after_three(*args):
+            for n, output in enumerate(stream_outputs(*args)):
+                if n == 2:
+                    os.kill(os.getpid(), signal.SIGINT)
+                yield output
+
+        monkeypatch.setattr(tiny_llm, "stream_outputs", interrupted_after_three)
+    app.answer("hello")
+    monkeypatch.undo()
+    console.print("still printing")  # nothing left buffered for good
+    assert screen.getvalue().rstrip().endswith("still printing")
+    assert "interrupted" in screen.getvalue()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if when == "inside the console's bookkeeping":  # before any of the answer showed: the turn did not happen
+        assert session.messages == []
+    else:  # the answer as far as it showed stays in the conversation
+        assert [m["role"] for m in session.messages] == ["user", "assistant"]
+        assert 0 < len(tiny_llm.tokenizer.encode(session.messages[1]["content"])) < 40
+    app.answer("again")
+    assert session.messages[-1]["role"] == "assistant" and not tiny_llm.engine.has_unfinished_requests()
 
 
 def test_set_parses_values_and_rejects_bad_ones():
