@@ -234,19 +234,20 @@ class ChatApp:
                 interrupted = pressed.is_set() and (output is None or not output.finished)
             except KeyboardInterrupt:  # raised by other means than the terminal's Ctrl-C
                 interrupted = True
-        if interrupted:
-            if stream is not None:
-                stream.close()  # aborts the request
-            self.console.print("[yellow]interrupted[/yellow]")
-        if output is None:  # interrupted before the engine answered: the turn did not happen
-            session.messages.pop()
-            return
-        if output.error is not None:
-            session.messages.pop()  # the turn did not happen: the user may ask again
-            raise RequestFailed(f"no answer: {output.error}")
-        # A partial answer stays in the conversation: it is what the user saw.
-        session.messages.append({"role": "assistant", "content": answer})
-        self.console.print(stats_line(output, time.perf_counter() - start), style="dim", highlight=False)
+            # still under the handler: a Ctrl-C while the turn's last lines print is too late to stop it
+            if interrupted:
+                if stream is not None:
+                    stream.close()  # aborts the request
+                self.console.print("[yellow]interrupted[/yellow]")
+            if output is None:  # interrupted before the engine answered: the turn did not happen
+                session.messages.pop()
+                return
+            if output.error is not None:
+                session.messages.pop()  # the turn did not happen: the user may ask again
+                raise RequestFailed(f"no answer: {output.error}")
+            # A partial answer stays in the conversation: it is what the user saw.
+            session.messages.append({"role": "assistant", "content": answer})
+            self.console.print(stats_line(output, time.perf_counter() - start), style="dim", highlight=False)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import sys
 import pytest
 from rich.console import Console
 
+from qrun import chat
 from qrun.chat import ChatApp, ChatSession, parse_settings
 from qrun.errors import QrunError
 from qrun.llm import LLM
@@ -128,6 +129,30 @@ def test_ctrl_c_anywhere_in_an_answer_stops_it_and_leaves_the_display_working(ti
         assert 0 < len(tiny_llm.tokenizer.encode(session.messages[1]["content"])) < 40
     app.answer("again")
     assert session.messages[-1]["role"] == "assistant" and not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_ctrl_c_as_an_answer_finishes_printing_keeps_the_answer_and_the_chat(tiny_llm, monkeypatch):
+    session = ChatSession(tiny_llm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    screen = io.StringIO()
+    app = ChatApp(session, Console(file=screen, force_terminal=True))
+    line_of = chat.stats_line
+
+    def interrupted_stats_line(*args):  # the answer is complete; its last line is printing
+        os.kill(os.getpid(), signal.SIGINT)
+        return line_of(*args)
+
+    monkeypatch.setattr(chat, "stats_line", interrupted_stats_line)
+    try:
+        app.answer("hello")
+    except KeyboardInterrupt:  # what ended the chat before: failed here, not as an interrupt of the whole run
+        pytest.fail("Ctrl-C while the answer's last line printed escaped answer()")
+    finally:
+        monkeypatch.undo()
+    uninterrupted = ChatSession(tiny_llm, session.params)
+    ChatApp(uninterrupted, Console(file=io.StringIO())).answer("hello")
+    assert session.messages == uninterrupted.messages  # the whole answer, kept
+    assert "interrupted" not in screen.getvalue()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_set_parses_values_and_rejects_bad_ones():
