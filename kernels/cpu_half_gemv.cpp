@@ -1,5 +1,5 @@
-// Matrix-vector products with a float16 weight for CPUs: y = x W^T (+ b) at one or a few rows, the batch-1
-// decode step of dense bfloat16 models (qrun/cpu_linear.py). Built and documented by kernels/cpu_half_gemv.py.
+// Matrix-vector products with a float16 weight for CPUs: y = x W^T (+ b) at one or a few rows, the small-batch
+// decode steps of dense bfloat16 models (qrun/cpu_linear.py). Built and documented by kernels/cpu_half_gemv.py.
 //
 // The product is bound by reading W. Each thread reads its share of W's rows as four streams side by side,
 // converting 16 float16 values per instruction and accumulating in float32 against the rows of x (held as
@@ -32,7 +32,11 @@ inline void store(void* y, int kind, int64_t i, float value) {
     static_cast<uint16_t*>(y)[i] = qrun_bfloat16_bits(value);
 }
 
-constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t MAX_ROWS = 8;
+// The sums a thread keeps in registers, STREAMS x ROWS: past four rows it reads fewer streams side by side rather
+// than pass over its weights twice, each pass converting them to float again (dense SmolLM2's C++ steps on a 2-core
+// Xeon at 5, 6 and 8 rows: 14.96, 16.39 and 18.42 ms in two passes of four streams; one-off probes).
+constexpr int64_t MAX_SUMS = 16;
 // A thread reads STREAMS weight rows together, each from its own part of the thread's rows: a core keeps more reads in
 // flight over several sequential streams than over one, and how many it reads fastest differs by CPU (4 vs 1: 23.5 vs
 // 19.4 GB/s reading SmolLM2's float16 weights matrix by matrix on two Xeon cores; 2 beat 4 on a 2-core EPYC), so the
@@ -51,6 +55,7 @@ inline float dot_tail(const uint16_t* w, const float* x, int64_t from, int64_t k
 // the accumulators stay in registers.
 template <int64_t ROWS, int64_t STREAMS>
 void dot_channels(const uint16_t* w, const int64_t* channels, int64_t k, const float* x, float* sums) {
+    static_assert(ROWS * STREAMS <= MAX_SUMS);
     int64_t start = 0;
 #if defined(__AVX512F__)
     __m512 acc[STREAMS][ROWS];
@@ -102,8 +107,8 @@ template <int64_t ROWS>
 void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y, int kind, int64_t ldy, int64_t n,
                int64_t k, int streams, int threads) {
     if (streams == 1) return half_gemv<ROWS, 1>(x, w, bias, y, kind, ldy, n, k, threads);
-    if (streams == 2) return half_gemv<ROWS, 2>(x, w, bias, y, kind, ldy, n, k, threads);
-    half_gemv<ROWS, 4>(x, w, bias, y, kind, ldy, n, k, threads);
+    if (streams == 2 || ROWS * 4 > MAX_SUMS) return half_gemv<ROWS, 2>(x, w, bias, y, kind, ldy, n, k, threads);
+    if constexpr (ROWS * 4 <= MAX_SUMS) half_gemv<ROWS, 4>(x, w, bias, y, kind, ldy, n, k, threads);
 }
 
 }  // namespace
@@ -131,7 +136,11 @@ extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16
         case 1: half_gemv<1>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
         case 2: half_gemv<2>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
         case 3: half_gemv<3>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
-        default: half_gemv<4>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        case 4: half_gemv<4>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        case 5: half_gemv<5>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        case 6: half_gemv<6>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        case 7: half_gemv<7>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
+        default: half_gemv<8>(inputs.data(), w, bias, y, kind, ldy, n, k, read_streams, threads); break;
     }
     return 0;
 }

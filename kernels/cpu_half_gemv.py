@@ -1,4 +1,4 @@
-"""x W^T (+ b) with a float16 W at one to four rows on the CPU: the batch-1 matmul of dense
+"""x W^T (+ b) with a float16 W at one to eight rows on the CPU: the small-batch matmul of dense
 bfloat16 models (`qrun/cpu_linear.py` keeps a float16 copy of each weight for it).
 
 At one row a linear is bound by reading W. torch's float16 GEMV (the reference below) read a
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from qrun.kernels.read_streams import DEFAULT_READ_STREAMS
 
-MAX_ROWS = 4  # cpu_half_gemv.cpp
+MAX_ROWS = 8  # cpu_half_gemv.cpp
 
 
 def half_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

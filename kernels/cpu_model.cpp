@@ -48,7 +48,6 @@ enum LinearKind : int64_t {
                       // weights = (bfloat16 W), multiplied in bfloat16; bias float32, added in the model's dtype
 };
 
-constexpr int64_t GEMV_ROWS = 2;  // cpu_linear.GEMV_ROWS
 constexpr int64_t MAX_HEAD_DIM = 256;  // cpu_attention.HEAD_DIMS' largest
 
 // The library's torch op `name` (cpu_ops.cpp), looked up once by each caller.
@@ -112,8 +111,8 @@ struct Linear {
     std::optional<at::Tensor> bias, perm, signs, odd_factor;
     int64_t out_features = 0, group = 0, k_high = 0, input_digits = 1;
     // QUANT: the op's kernel choice by rows (cpu_quant_matmul.py); QUANT and HALF_GEMV*: the streams each thread
-    // reads at one or two rows (read_streams.py)
-    int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0;
+    // reads at one or two rows (read_streams.py); HALF_GEMV*: the most rows the float16 GEMV takes (cpu_linear.py)
+    int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0, gemv_rows = 0;
     qrun_ops::VnniPlanes vnni;  // QUANT: the weights as the VNNI kernel reads them, checked once
 
     // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, the AMX one, or oneDNN on the dequantized
@@ -183,7 +182,7 @@ struct Linear {
                 return bias ? at::add(y, bias->to(y.scalar_type())) : y;
             }
             default:
-                if (half_gemv && rows <= GEMV_ROWS) {  // kernels/cpu_half_gemv.cpp
+                if (half_gemv && rows <= gemv_rows) {  // kernels/cpu_half_gemv.cpp
                     at::Tensor y = workspace.get(out, rows, out_features, in.scalar_type());
                     qrun_ops::half_gemv_into(in, weights[0], weights.size() > 2 ? Optional(weights[2]) : std::nullopt,
                                              read_streams, y);
@@ -195,7 +194,8 @@ struct Linear {
 
     Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
 
-    bool may_take_half_gemv() const { return kind == HALF_GEMV || kind == HALF_GEMV_PACKED; }
+    // The most rows that may take the float16 GEMV: none but a dense linear's.
+    int64_t max_gemv_rows() const { return kind == HALF_GEMV || kind == HALF_GEMV_PACKED ? gemv_rows : 0; }
 
     // Whether `rows` rows of `dtype` may ask operator() for their product widened to float32: bfloat16 rows.
     bool widens(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
@@ -219,18 +219,19 @@ struct Linear {
     // splits its work over a held team (QrunTeam), rather than on torch's ops (AMX tiles and oneDNN among them)
     bool on_library_kernel(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
         if (kind == QUANT) return qrun_ops::quant_matmul_on_vnni(rows, dtype, tile_rows, dequantize_rows);
-        return may_take_half_gemv() && half_gemv && rows <= GEMV_ROWS;
+        return half_gemv && rows <= max_gemv_rows();
     }
 };
 
 // A linear from StepLayer.set_linear's (or StepModel.set_head's) arguments, its VNNI planes checked once.
 Linear make_linear(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
                    Optional odd_factor, int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
-                   int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
+                   int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams,
+                   int64_t gemv_rows) {
     TORCH_CHECK(kind >= QUANT && kind <= DEQUANTIZED, "StepLayer: no linear of kind ", kind);
     Linear linear{kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                   std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
-                  tile_dequantize_rows, dequantize_rows, read_streams};
+                  tile_dequantize_rows, dequantize_rows, read_streams, gemv_rows};
     if (kind == QUANT)
         linear.vnni = qrun_ops::vnni_planes(linear.weights[0], linear.weights[1], linear.weights[2],
                                             linear.weights[3], group, out_features, linear.high(0), linear.high(1),
@@ -263,16 +264,17 @@ class StepLayer : public torch::CustomClassHolder {
     void set_linear(int64_t slot, int64_t kind, std::vector<at::Tensor> weights, std::optional<at::Tensor> bias,
                     std::optional<at::Tensor> perm, std::optional<at::Tensor> signs, std::optional<at::Tensor> odd_factor,
                     int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits, int64_t tile_rows,
-                    int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
+                    int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams, int64_t gemv_rows) {
         TORCH_CHECK(slot >= 0 && slot < 4, "StepLayer.set_linear: no slot ", slot);
         linears_[slot] = make_linear(kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                                      std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
-                                     tile_dequantize_rows, dequantize_rows, read_streams);
+                                     tile_dequantize_rows, dequantize_rows, read_streams, gemv_rows);
     }
 
-    bool may_take_half_gemv() const {
-        return std::any_of(std::begin(linears_), std::end(linears_),
-                           [](const Linear& linear) { return linear.may_take_half_gemv(); });
+    int64_t max_gemv_rows() const {
+        int64_t most = 0;
+        for (const Linear& linear : linears_) most = std::max(most, linear.max_gemv_rows());
+        return most;
     }
 
     bool on_library_kernels(int64_t rows, at::ScalarType dtype, bool half_gemv) const {
@@ -527,18 +529,19 @@ class StepModel : public torch::CustomClassHolder {
     }
 
     void add_layer(c10::intrusive_ptr<StepLayer> layer) {
-        may_take_half_gemv_ |= layer->may_take_half_gemv();
+        max_gemv_rows_ = std::max(max_gemv_rows_, layer->max_gemv_rows());
         layers_.push_back(std::move(layer));
     }
 
     // The head: StepLayer.set_linear's arguments after the slot.
     void set_head(int64_t kind, std::vector<at::Tensor> weights, Optional bias, Optional perm, Optional signs,
                   Optional odd_factor, int64_t out_features, int64_t group, int64_t k_high, int64_t input_digits,
-                  int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams) {
+                  int64_t tile_rows, int64_t tile_dequantize_rows, int64_t dequantize_rows, int64_t read_streams,
+                  int64_t gemv_rows) {
         head_ = make_linear(kind, std::move(weights), std::move(bias), std::move(perm), std::move(signs),
                             std::move(odd_factor), out_features, group, k_high, input_digits, tile_rows,
-                            tile_dequantize_rows, dequantize_rows, read_streams);
-        may_take_half_gemv_ |= head_.may_take_half_gemv();
+                            tile_dequantize_rows, dequantize_rows, read_streams, gemv_rows);
+        max_gemv_rows_ = std::max(max_gemv_rows_, head_.max_gemv_rows());
     }
 
     // float32 logits [sampled rows, vocab] (a new tensor) of the rows `sample_rows` names, in its order, for token
@@ -548,8 +551,8 @@ class StepModel : public torch::CustomClassHolder {
     // sampling then need no pass of their own, each a torch op of ~0.1-0.2 ms at batch 1 once the step has left the caches cold. The step's
     // layout comes as qrun/model.py's StepLayout holds it, lists (block_tables flat, rows of table_width): tensors
     // made from them in Python cost ~0.1 ms a step at batch 1, for the same reason. half_gemv: dense linears may take
-    // their float16 GEMV (at most GEMV_ROWS rows); where one's value passes float16's range, it reaches its row's
-    // logits (the final norm of an infinity is NaN), and the step runs again on the bfloat16 weights, as
+    // their float16 GEMV (up to each one's gemv_rows rows); where one's value passes float16's range, it reaches its
+    // row's logits (the final norm of an infinity is NaN), and the step runs again on the bfloat16 weights, as
     // qrun/model_runner.py reruns the torch model's.
     std::tuple<at::Tensor, std::vector<int64_t>> forward(
         const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
@@ -575,7 +578,7 @@ class StepModel : public torch::CustomClassHolder {
                             tensor_of(query_start_loc, {int64_t(seqs) + 1}, at::kInt), prefill_chunks};
         const at::Tensor logits = step(ids, meta, half_gemv, sample_rows);
         std::vector<int64_t> first = first_maxima(logits);
-        const bool took_half_gemv = half_gemv && may_take_half_gemv_ && rows <= GEMV_ROWS;
+        const bool took_half_gemv = half_gemv && rows <= max_gemv_rows_;
         if (!took_half_gemv || std::find(first.begin(), first.end(), -1) == first.end()) return {logits, first};
         const at::Tensor rerun = step(ids, meta, false, sample_rows);
         return {rerun, first_maxima(rerun)};
@@ -667,7 +670,7 @@ class StepModel : public torch::CustomClassHolder {
     double eps_;
     std::vector<c10::intrusive_ptr<StepLayer>> layers_;
     Linear head_;
-    bool may_take_half_gemv_ = false;  // some linear, the head's or a layer's, is a dense one's float16 GEMV
+    int64_t max_gemv_rows_ = 0;  // the most rows a linear, the head or a layer's, takes on the float16 GEMV
     Workspace workspace_;
 };
 

@@ -16,30 +16,38 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
 READ_STREAMS, DEFAULT_READ_STREAMS = (1, 2, 4), 4
+Choice = TypeVar("Choice")
 BUDGET_BYTES = 512 << 20  # weights timed at most: beyond any cache but the largest
+
+
+def fastest_choice(sweep: Callable[[Choice], object], choices: Sequence[Choice], default: Choice, repeats: int = 5,
+                   margin: float = 0.03) -> Choice:
+    """The one of `choices` under which `sweep(choice)` is fastest by its median over `repeats` timed
+    runs, the choices interleaved after one untimed run each; `default` (one of them) unless another
+    beats it by `margin`."""
+    for choice in choices:
+        sweep(choice)
+    times: dict[Choice, list[float]] = {choice: [] for choice in choices}
+    for _ in range(repeats):
+        for choice in choices:
+            start = time.perf_counter()
+            sweep(choice)
+            times[choice].append(time.perf_counter() - start)
+    median = {choice: statistics.median(values) for choice, values in times.items()}
+    best = min(median, key=median.__getitem__)
+    return best if median[best] < (1 - margin) * median[default] else default
 
 
 def fastest_read_streams(sweep: Callable[[int], object], repeats: int = 5, margin: float = 0.03) -> int:
     """The count of READ_STREAMS under which `sweep(read_streams)` (a model's one-row products, as
-    a decode step runs them) is fastest by its median over `repeats` timed runs, the counts
-    interleaved after one untimed run each; DEFAULT_READ_STREAMS unless another beats it by
-    `margin`."""
-    for streams in READ_STREAMS:
-        sweep(streams)
-    times: dict[int, list[float]] = {streams: [] for streams in READ_STREAMS}
-    for _ in range(repeats):
-        for streams in READ_STREAMS:
-            start = time.perf_counter()
-            sweep(streams)
-            times[streams].append(time.perf_counter() - start)
-    median = {streams: statistics.median(values) for streams, values in times.items()}
-    best = min(median, key=median.__getitem__)
-    return best if median[best] < (1 - margin) * median[DEFAULT_READ_STREAMS] else DEFAULT_READ_STREAMS
+    a decode step runs them) is fastest (`fastest_choice`; DEFAULT_READ_STREAMS unless another
+    beats it by `margin`)."""
+    return fastest_choice(sweep, READ_STREAMS, DEFAULT_READ_STREAMS, repeats, margin)
 
 
 def fastest_for(products: Iterable[tuple[Callable[[int], object], int]], budget_bytes: int = BUDGET_BYTES) -> int:

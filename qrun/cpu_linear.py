@@ -1,4 +1,4 @@
-"""Dense bfloat16 linears on x86 CPUs: a float16 GEMV at one or two rows, oneDNN on a prepacked
+"""Dense bfloat16 linears on x86 CPUs: a float16 GEMV at one or a few rows, oneDNN on a prepacked
 weight at more.
 
 At one or two rows a linear is a matrix-vector product bound by reading the weight. A float16
@@ -6,8 +6,13 @@ GEMV (float32 accumulation) reads at close to memory speed, while torch's bfloat
 row does not: on an AVX512-BF16 EPYC a 3072 x 576 weight took 151 us in torch's float16 GEMV and
 321 us in bfloat16, and a SmolLM2 decode step fell from 32 to 21 ms. With the C++ kernels built
 the GEMV is `kernels/cpu_half_gemv.py`'s (2-3x faster than torch's on weights in cache, 1.2-1.4x
-streaming the 49152 x 576 head), else torch's (its reference). At three
-rows and more float16 loses by far (no hardware GEMM: 3.0 ms vs 0.5 ms at 32 rows), and
+streaming the 49152 x 576 head), else torch's (its reference). It reads each weight once for all
+its rows, so a few rows cost little more than one: where the C++ decode step covers the model, the
+load measures up to how many rows (GEMV_ROW_LIMITS) its steps beat those on oneDNN and sets
+`gemv_rows` (`cpu_model.fastest_cpu_model`; on a 2-core Xeon with AMX, dense SmolLM2's C++ steps
+took 9.9, 10.5, 17.7 and 17.8 ms at 1 to 4 rows with the GEMV at 1 and 2 only, and 11.4 and 12.1 ms
+at 3 and 4 rows with it there too: one-off probes); elsewhere it takes GEMV_ROWS. At many rows
+float16 loses by far (no hardware GEMM: 3.0 ms vs 0.5 ms at 32 rows), and
 bfloat16's `F.linear` reorders the weight into oneDNN's blocked layout on every call: prepacked
 once at load, SmolLM2's 120 layer matmuls took 12-18 ms instead of 21-29 ms at 3 to 16 rows and
 28 vs 44 ms at 32 in a microbenchmark, with bit-identical results
@@ -34,7 +39,8 @@ from qrun.kernels import backend, cpu_half_gemv
 from qrun.kernels.cpu_half_gemv import half_gemv_ref
 from qrun.kernels.read_streams import DEFAULT_READ_STREAMS, fastest_for
 
-GEMV_ROWS = 2
+GEMV_ROWS = 2  # the rows a float16 GEMV takes where the load does not measure it
+GEMV_ROW_LIMITS = (8, 6, 4)  # the larger limits the load tries, most first (cpu_half_gemv.MAX_ROWS at most)
 
 # The packed weight is an opaque oneDNN tensor, which Inductor only lowers when the weight is a
 # constant of the graph. A compiled decode layer takes its weights as inputs, so it calls the
@@ -70,7 +76,7 @@ def can_prepack() -> bool:
 
 
 class CpuDenseLinear(nn.Module):
-    """y = x W^T + b, through a float16 copy of W at <= GEMV_ROWS rows, W prepacked for oneDNN
+    """y = x W^T + b, through a float16 copy of W at <= `gemv_rows` rows, W prepacked for oneDNN
     at more (or W itself where oneDNN lacks bfloat16)."""
 
     def __init__(self, linear: nn.Linear, shared: bool = False):
@@ -90,9 +96,10 @@ class CpuDenseLinear(nn.Module):
         self.enabled = True  # False inside bfloat16_only
         self.half_gemv = cpu_half_gemv.half_gemv if backend(self.weight_f16.device) == "cpu" else half_gemv_ref
         self.read_streams = DEFAULT_READ_STREAMS  # the GEMV's: cpu_model.fastest_cpu_model
+        self.gemv_rows = GEMV_ROWS  # the most rows the GEMV takes: cpu_model.fastest_cpu_model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enabled and x.shape[0] <= GEMV_ROWS and x.dim() == 2:
+        if self.enabled and x.shape[0] <= self.gemv_rows and x.dim() == 2:
             return self.half_gemv(x, self.weight_f16, self.bias_f16, self.read_streams)
         if self.weight_packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -117,8 +124,9 @@ def bfloat16_only(model: nn.Module) -> Iterator[None]:
             lin.enabled = True
 
 
-def uses_cpu_dense_linears(model: nn.Module) -> bool:
-    return any(isinstance(m, CpuDenseLinear) for m in model.modules())
+def max_gemv_rows(model: nn.Module) -> int:
+    """The most rows any of `model`'s dense linears takes on its float16 GEMV (0: none has one)."""
+    return max((m.gemv_rows for m in model.modules() if isinstance(m, CpuDenseLinear)), default=0)
 
 
 def use_cpu_dense_linears(model: nn.Module) -> None:

@@ -24,15 +24,16 @@ the whole 64-request run 1.05x and 1.09x.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
-from qrun.cpu_linear import CpuDenseLinear, gemv_linears, measure_gemv_read_streams
+from qrun.cpu_linear import GEMV_ROW_LIMITS, GEMV_ROWS, CpuDenseLinear, gemv_linears, measure_gemv_read_streams
 from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.cpu_attention import HEAD_DIMS
 from qrun.kernels.cpu_rotation import odd_factor
-from qrun.kernels.read_streams import READ_STREAMS, fastest_read_streams
+from qrun.kernels.read_streams import READ_STREAMS, Choice, fastest_choice, fastest_read_streams
 from qrun.kv_cache import KVCache, LayerKV
 from qrun.model import DecoderLayer, StepLayout, Transformer
 from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear, measure_read_streams, vnni_matmuls
@@ -57,12 +58,12 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
     if isinstance(module, CpuQuantMatmul):
         if module.planes is None:  # its fallback: a bfloat16 weight, or torch's int4 kernel (not covered)
             return None if module.dense is None else (DEQUANTIZED, [module.dense], module.bias, module.perm, signs,
-                                                      odd, module.out_features, 0, 0, 1, 0, 0, 0, 0)
+                                                      odd, module.out_features, 0, 0, 1, 0, 0, 0, 0, 0)
         planes = module.planes if module.planes[4] is not None else module.planes[:4]
         return (QUANT, list(planes), module.bias, module.perm, signs, odd, module.out_features, module.group,
                 module.k_high, module.input_digits, cpu_quant_matmul.tile_rows(),
                 cpu_quant_matmul.tile_dequantize_rows(module.group, len(planes) > 4),
-                cpu_quant_matmul.dequantize_rows(), module.read_streams)
+                cpu_quant_matmul.dequantize_rows(), module.read_streams, 0)
     if signs is not None:
         return None  # dense linears are never rotated
     if isinstance(module, CpuDenseLinear):
@@ -71,9 +72,9 @@ def _linear(module: nn.Module, rotation: nn.Module) -> tuple | None:
         if module.bias_f16 is not None:
             weights.append(module.bias_f16)
         return (HALF_GEMV_PACKED if packed else HALF_GEMV, weights, module.bias, None, None, None, module.out_features,
-                0, 0, 1, 0, 0, 0, module.read_streams)
+                0, 0, 1, 0, 0, 0, module.read_streams, module.gemv_rows)
     if type(module) is nn.Linear:
-        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1, 0, 0, 0, 0
+        return DENSE, [module.weight], module.bias, None, None, None, module.out_features, 0, 0, 1, 0, 0, 0, 0, 0
     return None
 
 
@@ -156,16 +157,17 @@ def fastest_cpu_model(model: Transformer, kv_cache: KVCache) -> CpuModel | None:
     step itself: there the products run back to back on a held team of threads, which one call at a time does not
     show (on a 2-core EPYC the products timed one call each chose 4 streams for the VNNI kernel, under which 128-token
     4.0-bpw single streams ran 263 tok/s, against 303 with 1 in the same process). Where the step does not cover the
-    model, the products are timed one call each, as its torch layers run them.
+    model, the products are timed one call each, as its torch layers run them. Then the most rows the float16 GEMV
+    takes (`cpu_linear.GEMV_ROW_LIMITS`): the largest limit at which steps of that many rows run faster with the GEMV
+    than with oneDNN.
 
-    Run before the engine takes requests: the timed steps write one token's keys and values to block 0's first slot,
-    which holds nothing yet."""
+    Run before the engine takes requests: the timed steps write their tokens' keys and values to the cache's first
+    slots, which hold nothing yet."""
     built = CpuModel.build(model, kv_cache)
     if built is None:
         measure_read_streams(model)
         measure_gemv_read_streams(model)
         return None
-    layout = StepLayout(slot_mapping=[0], block_tables=[0], table_width=1, seq_lens=[1], query_start_loc=[0, 1])
     for kind in (vnni_matmuls(model), gemv_linears(model)):
         if not kind:
             continue
@@ -174,19 +176,39 @@ def fastest_cpu_model(model: Transformer, kv_cache: KVCache) -> CpuModel | None:
             for module in kind:
                 module.read_streams = streams
             steps[streams] = CpuModel.build(model, kv_cache)
-
-        def sweep(streams: int) -> None:
-            for _ in range(TUNING_STEPS):
-                steps[streams].step([0], [0], layout)
-
-        with torch.inference_mode():
-            sweep(READ_STREAMS[0])  # the first steps also fault in the kept buffers
-            start = time.perf_counter()
-            sweep(READ_STREAMS[0])
-            per_sweep = time.perf_counter() - start
-            repeats = max(1, min(5, int(TUNING_SECONDS / (len(READ_STREAMS) * per_sweep)) - 1))
-            fastest = fastest_read_streams(sweep, repeats)
+        fastest = _timed_choice(steps, 1, fastest_read_streams)
         for module in kind:
             module.read_streams = fastest
         built = steps[fastest]
+    linears = gemv_linears(model)
+    for limit in GEMV_ROW_LIMITS if linears else ():
+        for linear in linears:
+            linear.gemv_rows = limit
+        steps = {GEMV_ROWS: built, limit: CpuModel.build(model, kv_cache)}
+        if _timed_choice(steps, limit, lambda sweep, repeats: fastest_choice(sweep, tuple(steps), GEMV_ROWS,
+                                                                             repeats)) == limit:
+            return steps[limit]
+    for linear in linears:
+        linear.gemv_rows = GEMV_ROWS
     return built
+
+
+def _timed_choice(steps: dict[Choice, CpuModel], rows: int,
+                  choose: Callable[[Callable[[Choice], None], int], Choice]) -> Choice:
+    """choose(sweep, repeats): sweep(choice) runs TUNING_STEPS steps of `steps[choice]` at `rows` rows (one-token
+    sequences), repeats as many as fit TUNING_SECONDS (at least 1, at most 5)."""
+    layout = StepLayout(slot_mapping=list(range(rows)), block_tables=[0] * rows, table_width=1, seq_lens=[1] * rows,
+                        query_start_loc=list(range(rows + 1)))
+
+    def sweep(choice: Choice) -> None:
+        for _ in range(TUNING_STEPS):
+            steps[choice].step([0] * rows, [0] * rows, layout)
+
+    with torch.inference_mode():
+        first = next(iter(steps))
+        sweep(first)  # the first steps also fault in the kept buffers
+        start = time.perf_counter()
+        sweep(first)
+        per_sweep = time.perf_counter() - start
+        repeats = max(1, min(5, int(TUNING_SECONDS / (len(steps) * per_sweep)) - 1))
+        return choose(sweep, repeats)

@@ -8,7 +8,7 @@ import torch
 
 from qrun.compiled_decode import CompiledDecode, can_compile
 from qrun.cpu_model import fastest_cpu_model
-from qrun.cpu_linear import GEMV_ROWS, bfloat16_only, uses_cpu_dense_linears
+from qrun.cpu_linear import bfloat16_only, max_gemv_rows
 from qrun.cuda_graphs import CudaGraphDecode
 from qrun.kernels import backend
 from qrun.loader import LoadedModel
@@ -36,12 +36,12 @@ class ModelRunner:
         self.block_size = block_size
         calibrations = key_calibration(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, calibrations)
-        self.half_gemv = uses_cpu_dense_linears(self.model)
         # decode steps: the whole model in one C++ call where the CPU kernels cover it, else a
         # compiled torch layer (unless compile_decode is off), else eager; on a GPU with the
         # Triton kernels, CUDA graphs (unless compile_decode is off)
         kernels = backend(self.device)
         self.cpu_model = fastest_cpu_model(self.model, self.kv_cache) if kernels == "cpu" else None
+        self.gemv_rows = max_gemv_rows(self.model)  # as fastest_cpu_model left them (0: no float16 GEMV)
         self.compiled = (CompiledDecode(self.model, self.kv_cache) if compile_decode and self.cpu_model is None
                          and can_compile(self.model, self.device) else None)
         self.graphs = (CudaGraphDecode(self.model, self.kv_cache, max_num_seqs, max_model_len)
@@ -105,7 +105,7 @@ class ModelRunner:
             self.compiled.disable()
             layers = None
             hidden, logits = forward(layers)
-        if self.half_gemv and len(input_ids) <= GEMV_ROWS and not _all_finite(hidden, logits):
+        if len(input_ids) <= self.gemv_rows and not _all_finite(hidden, logits):
             with bfloat16_only(self.model):  # a value past float16's range (layers or head): rerun in bfloat16
                 hidden, logits = forward(layers)
         if logits is None:

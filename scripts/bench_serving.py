@@ -101,15 +101,18 @@ class QrunSystem:
         bm = self.llm.engine.block_manager
         return bm.num_blocks * bm.block_size
 
-    def read_streams(self) -> str:
-        """The weight streams each kind of one-row product reads, as chosen at load (kernels/read_streams.py)."""
+    def load_choices(self) -> str:
+        """What the load measured: the weight streams each kind of one-row product reads (kernels/read_streams.py),
+        and up to how many rows dense linears take the float16 GEMV (qrun/cpu_linear.py)."""
         from qrun.cpu_linear import gemv_linears
         from qrun.quant import vnni_matmuls
 
-        model = self.llm.engine.runner.model
-        kinds = {"VNNI": vnni_matmuls(model), "float16 GEMV": gemv_linears(model)}
-        return ", ".join(f"{kind} {'/'.join(str(c) for c in sorted({m.read_streams for m in modules}))}"
-                         for kind, modules in kinds.items() if modules)
+        runner = self.llm.engine.runner
+        kinds = {"VNNI": vnni_matmuls(runner.model), "float16 GEMV": gemv_linears(runner.model)}
+        streams = ", ".join(f"{kind} {'/'.join(str(c) for c in sorted({m.read_streams for m in modules}))}"
+                            for kind, modules in kinds.items() if modules)
+        rows = f"; float16 GEMV up to {runner.gemv_rows} rows" if runner.gemv_rows else ""
+        return f"read streams: {streams}{rows}" if streams else ""
 
     def warm_up(self) -> None:
         """Compile decode steps now, as a long-running engine does after its first 256 of them
@@ -693,9 +696,8 @@ def main(argv=None) -> int:
             skipped[spec] = str(why)
             print(f"[{spec}] skipped: {why}", flush=True)
             continue
-        streams = systems[spec].read_streams() if isinstance(systems[spec], QrunSystem) else ""
-        print(f"[{spec}] loaded in {time.perf_counter() - t:.1f}s" + (f" (read streams: {streams})" if streams else ""),
-              flush=True)
+        choices = systems[spec].load_choices() if isinstance(systems[spec], QrunSystem) else ""
+        print(f"[{spec}] loaded in {time.perf_counter() - t:.1f}s" + (f" ({choices})" if choices else ""), flush=True)
     order = [s for s in args.systems if s in systems]
 
     first_use: dict[str, float] = {}  # TTFT p50 of the warm-up: a fresh system's first requests

@@ -37,8 +37,9 @@ def test_cpu_half_gemv_reads_rows_in_place_and_leaves_more_rows_to_torch():
     torch.testing.assert_close(half_gemv(x, weight), half_gemv_ref(x, weight), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8])
 def test_every_read_stream_count_gives_the_same_product(rows):
+    """Past four rows the kernel reads at most two streams side by side, whatever the count asked."""
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(203, 96, generator=g).half(), torch.randn(203, generator=g).half()
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)

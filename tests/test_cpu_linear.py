@@ -50,7 +50,7 @@ def test_a_step_past_float16_range_reruns_in_bfloat16(checkpoint, request):
     llm = LLM(str(request.getfixturevalue(checkpoint)), dtype="bfloat16", device="cpu", kv_cache_memory=1 << 22)
     runner = llm.engine.runner
     assert (runner.cpu_model is not None) == (checkpoint == "tiny_llama64_dir" and cpu_library.available())
-    if not runner.half_gemv:
+    if not runner.gemv_rows:
         pytest.skip("float16 GEMV does not apply on this CPU")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with bfloat16_only(runner.model):

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings, strategies as st
 from qrun import LLM, SamplingParams, cpu_model
 from qrun.convert.main import convert
 from qrun.cpu_model import CpuModel
-from qrun.cpu_linear import bfloat16_only, gemv_linears
+from qrun.cpu_linear import GEMV_ROW_LIMITS, GEMV_ROWS, bfloat16_only, gemv_linears
 from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.read_streams import READ_STREAMS
@@ -73,7 +73,7 @@ def step_both_ways(llm: LLM, query_lens: list[int], seed: int, half_gemv: bool =
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_cpu_model_equals_the_torch_model_bit_for_bit(tiny_llama64_dir, dtype, batch):
-    """bfloat16 covers dense linears' float16 GEMV (up to two rows) and oneDNN (more)."""
+    """bfloat16 covers dense linears' float16 GEMV (up to the rows the load chose) and oneDNN (more)."""
     llm = engine(tiny_llama64_dir, dtype=dtype)
     assert llm.engine.runner.cpu_model is not None
     (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
@@ -275,7 +275,38 @@ def test_decode_steps_read_the_stream_count_under_which_timed_steps_ran_fastest(
     chosen = {READ_STREAMS[1]}
     assert kind(runner.model) and {module.read_streams for module in kind(runner.model)} == chosen
     assert timed == list(READ_STREAMS)
-    assert [step is runner.cpu_model for streams, step in builds if streams == chosen] == [True]
+    assert [streams for streams, step in builds if step is runner.cpu_model] == [chosen]
+
+
+@pytest.mark.parametrize("winner", [8, 6, None])
+def test_dense_linears_take_the_float16_gemv_up_to_the_most_rows_at_which_timed_steps_ran_faster(
+        tiny_llama64_dir, monkeypatch, winner):
+    """The load tries GEMV_ROW_LIMITS, most first, each against oneDNN at that many rows, and keeps the first that
+    wins (none: GEMV_ROWS): the torch model and the C++ step take the GEMV up to it alike, oneDNN past it (the
+    float16 copies zeroed, so the two paths' logits differ)."""
+    tried = []
+
+    def fastest_when_winning(sweep, choices, default, repeats):
+        for choice in choices:
+            sweep(choice)
+        tried.append(choices)
+        return winner if winner in choices else default
+
+    monkeypatch.setattr(cpu_model, "fastest_choice", fastest_when_winning)
+    llm = engine(tiny_llama64_dir, dtype="bfloat16")
+    runner = llm.engine.runner
+    limits = GEMV_ROW_LIMITS[:GEMV_ROW_LIMITS.index(winner) + 1] if winner else GEMV_ROW_LIMITS
+    assert tried == [(GEMV_ROWS, limit) for limit in limits]
+    rows = winner or GEMV_ROWS
+    assert {linear.gemv_rows for linear in gemv_linears(runner.model)} == {rows} and runner.gemv_rows == rows
+    for linear in gemv_linears(runner.model):
+        linear.weight_f16.zero_()
+    for batch in sorted({rows, min(rows + 1, 8)}):
+        (torch_logits, _), (cpp_logits, _) = decode_step_both_ways(llm, batch)
+        with bfloat16_only(runner.model):
+            (onednn_logits, _), _ = decode_step_both_ways(llm, batch, half_gemv=False)
+        assert torch.equal(cpp_logits, torch_logits)
+        assert torch.equal(cpp_logits, onednn_logits) == (batch > rows)
 
 
 def test_a_model_the_decode_step_does_not_cover_times_its_products_one_call_each(tiny_llama_dir, monkeypatch):
