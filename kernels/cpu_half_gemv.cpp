@@ -33,9 +33,10 @@ inline void store(void* y, int kind, int64_t i, float value) {
 }
 
 constexpr int64_t MAX_ROWS = 8;
-// The sums a thread keeps in registers, STREAMS x ROWS: past four rows it reads fewer streams side by side rather
-// than pass over its weights twice, each pass converting them to float again (dense SmolLM2's C++ steps on a 2-core
-// Xeon at 5, 6 and 8 rows: 14.96, 16.39 and 18.42 ms in two passes of four streams; one-off probes).
+// The sums a thread keeps in registers, STREAMS x ROWS: past four rows it reads two streams side by side rather than
+// pass over its weights twice, each pass converting them to float again (dense SmolLM2's C++ steps on a 2-core Xeon
+// at 5, 6 and 8 rows: 13.38, 14.65 and 19.47 ms so, against 14.96, 16.39 and 18.42 in two passes of four streams, and
+// 17.7-18.7 on oneDNN; one-off probes, each pair in one process).
 constexpr int64_t MAX_SUMS = 16;
 // A thread reads STREAMS weight rows together, each from its own part of the thread's rows: a core keeps more reads in
 // flight over several sequential streams than over one, and how many it reads fastest differs by CPU (4 vs 1: 23.5 vs

@@ -9,7 +9,9 @@ of dense models, four beat one on the Xeon (23.5 vs 19.4 GB/s) and two beat four
 (single-stream decode 1.06-1.09x). The streams change no result, only the order of the reads.
 What is timed is what decode steps run: the C++ step at batch 1 where it covers the model
 (`qrun/cpu_model.py`: its products back to back on one held team of threads, which timing them one
-call each does not show), else the products one call each (`fastest_for`).
+call each does not show), else the products one call each (`fastest_for`). `fastest_choice`, the
+timing behind both, also picks up to how many rows dense linears take the float16 GEMV
+(`qrun/cpu_linear.py`).
 """
 
 from __future__ import annotations

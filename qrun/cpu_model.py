@@ -161,8 +161,8 @@ def fastest_cpu_model(model: Transformer, kv_cache: KVCache) -> CpuModel | None:
     takes (`cpu_linear.GEMV_ROW_LIMITS`): the largest limit at which steps of that many rows run faster with the GEMV
     than with oneDNN.
 
-    Run before the engine takes requests: the timed steps write their tokens' keys and values to the cache's first
-    slots, which hold nothing yet."""
+    Run before the engine takes requests: the timed steps write their tokens' keys and values to block 0's first slot,
+    which holds nothing yet."""
     built = CpuModel.build(model, kv_cache)
     if built is None:
         measure_read_streams(model)
@@ -197,7 +197,7 @@ def _timed_choice(steps: dict[Choice, CpuModel], rows: int,
                   choose: Callable[[Callable[[Choice], None], int], Choice]) -> Choice:
     """choose(sweep, repeats): sweep(choice) runs TUNING_STEPS steps of `steps[choice]` at `rows` rows (one-token
     sequences), repeats as many as fit TUNING_SECONDS (at least 1, at most 5)."""
-    layout = StepLayout(slot_mapping=list(range(rows)), block_tables=[0] * rows, table_width=1, seq_lens=[1] * rows,
+    layout = StepLayout(slot_mapping=[0] * rows, block_tables=[0] * rows, table_width=1, seq_lens=[1] * rows,
                         query_start_loc=list(range(rows + 1)))
 
     def sweep(choice: Choice) -> None:
