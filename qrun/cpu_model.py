@@ -143,6 +143,19 @@ class CpuModel:
         return self.step_model.forward(ids, positions, layout.slot_mapping, layout.block_tables,
                                        layout.table_width, layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
+    def decode(self, ids: list[int], positions: list[int], layout: StepLayout, steps: int) -> list[list[int]]:
+        """Greedy tokens of `steps` decode steps run back to back, each step's first maxima (`step`'s)
+        the next one's ids: `ids` one token of each sequence at `positions`, `layout` covering the
+        positions of every step (`StepLayout.of` with spans `(p, p + steps)`). A list per step, a
+        token per sequence; a step in which a sequence's logits are not finite is the last (its
+        token -1)."""
+        rows = len(ids)
+        # StepLayout.of lists each sequence's slots together; the C++ model reads them step by step
+        slots = [layout.slot_mapping[row * steps + step] for step in range(steps) for row in range(rows)]
+        tokens = self.step_model.decode(ids, positions, slots, layout.block_tables, layout.table_width,
+                                        [p + 1 for p in positions], steps, True)
+        return [tokens[i:i + rows] for i in range(0, len(tokens), rows)]
+
 
 # Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams (SmolLM2 takes
 # less: 3 counts x 6 sweeps of 2 steps, ~0.12 s at 4.0 bpw, ~0.3 s dense); a model whose steps are slower sweeps fewer

@@ -21,9 +21,9 @@ from qrun.loader import load_model
 from qrun.kv_cache import KVCacheSpec
 from qrun.memory_plan import kv_blocks
 from qrun.model_runner import ModelRunner
-from qrun.sampler import sample
+from qrun.sampler import greedy_on_raw_logits, sample
 from qrun.sampling_params import SamplingParams
-from qrun.scheduler import Scheduler
+from qrun.scheduler import ScheduledBatch, Scheduler
 from qrun.sequence import RequestMetrics, RequestOutput, Sequence
 from qrun.structured_outputs import GrammarCompiler, Matcher
 from qrun.tokenizer import IncrementalDetokenizer
@@ -32,6 +32,11 @@ log = logging.getLogger("qrun")
 
 # Without an explicit budget the cache takes this share of the memory left after the weights.
 DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+# The longest run of back-to-back decode steps (EngineConfig.num_scheduler_steps), timed by the
+# last decode step: a streamed request's tokens then arrive at least ~20 times a second, and the
+# engine's bookkeeping of a step (~0.2 ms on a 2-core Xeon) is skipped where it matters, beside
+# steps of a few ms (one or a few sequences), not beside long ones (a large batch's).
+MAX_DECODE_RUN_S = 0.05
 
 
 @dataclass
@@ -46,6 +51,10 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    # Greedy decode steps the C++ model may run back to back without returning to the engine (vLLM's
+    # multi-step scheduling): 1 returns after every token. Streamed tokens then arrive up to this
+    # many at a time; see LLMEngine._decode_steps for when a step qualifies.
+    num_scheduler_steps: int = 16
     # Eager mode only: no torch.compile of CPU decode steps, no CUDA graphs on a GPU
     # (QRUN_ENFORCE_EAGER=1 sets the default).
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("QRUN_ENFORCE_EAGER", "0") == "1")
@@ -66,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={memory!r} must be a byte count (int > 1) or a fraction in (0, 1]")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 
@@ -150,6 +161,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._seq_ids = itertools.count()
         self.num_generated_tokens = 0
+        self._decode_step_s = 0.0  # the last decode step's seconds (one token a sequence), 0 before one
         self._grammar_compiler: GrammarCompiler | None = None
         self.step_observers: list[Callable[[StepStats], None]] = []  # called after every step that ran
         self.cpu_threads = CpuThreads() if self.loaded.device.type == "cpu" else None
@@ -270,21 +282,31 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.scheduler.decode_steps(batch, self._decode_steps(batch))
         prefill_tokens = sum(  # counted before the step advances num_computed_tokens
             max(0, min(seq.num_computed_tokens + n, len(seq.prompt_token_ids)) - seq.num_computed_tokens)
             for seq, n in zip(batch.seqs, batch.num_tokens)) if self.step_observers else 0
+        start = time.perf_counter()
         try:
-            logits, sampling, first_max = self.runner.execute(batch)
+            if batch.steps > 1:
+                decoded = self.runner.decode(batch)
+            else:
+                logits, sampling, first_max = self.runner.execute(batch)
         except Exception as err:  # noqa: BLE001 - which request caused it is unknowable: all of the step's fail
             log.exception("the forward pass failed")
             for seq in batch.seqs:
                 self._fail(seq.request_id, f"the forward pass failed ({type(err).__name__}: {err})")
             return self._outputs({seq.request_id for seq in batch.seqs}, finished_only)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.commit_computed(seq)
-        if sampling:
-            self._sample_and_append(sampling, logits, first_max)
+        if batch.total_tokens == len(batch.seqs) * batch.steps:
+            self._decode_step_s = (time.perf_counter() - start) / batch.steps
+        if batch.steps > 1:
+            self._append_decoded(batch.seqs, decoded)
+        else:
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                seq.num_computed_tokens += n
+                self.block_manager.commit_computed(seq)
+            if sampling:
+                self._sample_and_append(sampling, logits, first_max)
         if self.step_observers:
             self._observe(batch, prefill_tokens)
         return self._outputs({seq.request_id for seq in batch.seqs}, finished_only)
@@ -334,6 +356,39 @@ class LLMEngine:
                 continue
             with self._isolated(seq, "processing the sampled token"):
                 self._append(seq, token, lp)
+
+    def _decode_steps(self, batch: ScheduledBatch) -> int:
+        """How many greedy decode steps `batch` may run back to back (the scheduler then checks it
+        can): as many as take MAX_DECODE_RUN_S at the last decode step's speed, none past a
+        sequence's max_tokens or the model's length, and one where the C++ model does not cover
+        the model or a sequence's sampling needs more than its logits' first maximum (sampling,
+        logprobs, penalties, a grammar: `greedy_on_raw_logits`)."""
+        steps = self.config.num_scheduler_steps
+        if self._decode_step_s:
+            steps = min(steps, int(MAX_DECODE_RUN_S / self._decode_step_s))
+        if steps <= 1 or not self.runner.decodes_in_steps:
+            return 1
+        for seq in batch.seqs:
+            if not greedy_on_raw_logits(seq):
+                return 1
+            steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - len(seq))
+        return steps
+
+    def _append_decoded(self, seqs: list[Sequence], decoded: list[list[int]]) -> None:
+        """Each sequence's tokens of a run of decode steps (a list per step), taken as its steps
+        would have: one computed and one appended at a time, until it finishes (later ones are
+        dropped); a token of -1 (logits not finite) fails its request."""
+        for row, seq in enumerate(seqs):
+            for tokens in decoded:
+                if seq.finished:  # a stop; or a sibling failed the request
+                    break
+                seq.num_computed_tokens += 1
+                self.block_manager.commit_computed(seq)
+                if tokens[row] < 0:
+                    self._fail(seq.request_id, "the model's logits hold NaN or infinite values")
+                    break
+                with self._isolated(seq, "processing the sampled token"):
+                    self._append(seq, tokens[row], None)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence], bitmask: torch.Tensor | None,
                 first_max: list[int] | None) -> tuple[list[int], list[dict[int, float] | None]]:

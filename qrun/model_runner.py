@@ -54,6 +54,22 @@ class ModelRunner:
         for cache in self.kv_cache.tensors():
             cache[:, dst] = cache[:, src]
 
+    @property
+    def decodes_in_steps(self) -> bool:
+        """Whether `decode` runs: the C++ model covers this model."""
+        return self.cpu_model is not None
+
+    @torch.inference_mode()
+    def decode(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Run `batch.steps` greedy decode steps of its sequences (one token each) back to back in
+        the C++ model (`CpuModel.decode`); the tokens, a list per step."""
+        self.copy_blocks(batch.block_copies)
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        layout = StepLayout.of([(start, start + batch.steps) for start in starts],
+                               [seq.block_table for seq in batch.seqs], self.block_size)
+        ids = [seq.tokens_between(start, start + 1)[0] for seq, start in zip(batch.seqs, starts)]
+        return self.cpu_model.decode(ids, starts, layout, batch.steps)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:
         """Run the batch; return float32 logits for the sequences that now sample a token, those

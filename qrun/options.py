@@ -28,7 +28,7 @@ _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECA
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "stop", "seed", "ignore_eos")
 ENGINE_FIELDS = ("dtype", "device", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                 "enable_prefix_caching", "max_model_len", "enforce_eager")
+                 "enable_prefix_caching", "max_model_len", "num_scheduler_steps", "enforce_eager")
 
 
 def parse_memory(text: str) -> int | float:
@@ -115,6 +115,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                        help="do not reuse the KV blocks of shared prompt prefixes")
     group.add_argument("--max-model-len", type=int, help="cap the context length (tokens)")
+    group.add_argument("--num-scheduler-steps", type=int,
+                       help="greedy decode steps the CPU model runs back to back before the engine's bookkeeping "
+                            "(default 16, fewer where they would take over 50 ms; 1: after every token)")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="run every step in eager mode: no torch.compile of CPU decode steps")
 

@@ -50,6 +50,13 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+def greedy_on_raw_logits(seq: Sequence) -> bool:
+    """Whether `seq`'s next token is its logits' first maximum as the model gives them, and all it
+    needs of them: greedy, no logprobs, nothing rewriting the logits (the C++ model may then decode
+    its tokens back to back: ModelRunner.decode)."""
+    return seq.params.temperature < MIN_TEMPERATURE and seq.params.logprobs is None and not _rewrites_logits(seq)
+
+
 def _rewrites_logits(seq: Sequence) -> bool:
     """Whether penalties, held-back stop tokens or a grammar change this row before sampling."""
     p = seq.params

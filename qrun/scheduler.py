@@ -22,10 +22,13 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
     preempted: list[Sequence] = field(default_factory=list)
+    # decode steps run back to back (Scheduler.decode_steps): each sequence computes one token a
+    # step, the token the step before sampled greedily
+    steps: int = 1
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_tokens)
+        return sum(self.num_tokens) * self.steps
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -87,6 +90,21 @@ class Scheduler:
 
         batch.block_copies, blocks.pending_copies = blocks.pending_copies, []
         return batch
+
+    def decode_steps(self, batch: ScheduledBatch, steps: int) -> None:
+        """Let `batch` run `steps` decode steps back to back where every sequence decodes one token
+        of its output, nobody waits (a sequence that finishes within the run would hold back no
+        one's admission) and the pool holds the slots of all `steps` tokens; else it stays one step."""
+        blocks = self.block_manager
+        if (steps < 2 or self.waiting or batch.preempted
+                or any(n != 1 or not seq.output_token_ids for seq, n in zip(batch.seqs, batch.num_tokens))):
+            return
+        needed = sum(blocks.blocks_needed(seq.num_computed_tokens + steps) - len(seq.block_table) for seq in batch.seqs)
+        if needed > blocks.num_free_blocks:
+            return
+        for seq in batch.seqs:
+            blocks.append_slots(seq, steps)
+        batch.steps = steps
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -223,6 +223,71 @@ def test_cpu_model_gives_each_rows_greedy_token_and_minus_one_where_its_logits_a
     assert first_max == [first_max_ref(logits[:1]).item(), -1, first_max_ref(logits[2:]).item()]
 
 
+def random_cache(runner, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for tensor in runner.kv_cache.tensors():
+            tensor.normal_(generator=g)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own_greedy_tokens(
+        tiny_llama64_dir, dtype, batch):
+    runner = engine(tiny_llama64_dir, dtype=dtype).engine.runner
+    steps, block_size = 6, runner.block_size
+    starts = [5 + 13 * s for s in range(batch)]  # crossing a block boundary within the run
+    tables = [[1 + 4 * s + i for i in range(4)] for s in range(batch)]
+    first_ids = [11 * (s + 1) for s in range(batch)]
+    random_cache(runner, seed=batch)
+    one_at_a_time, ids = [], first_ids
+    with torch.inference_mode():
+        for step in range(steps):
+            layout = StepLayout.of([(p + step, p + step + 1) for p in starts], tables, block_size)
+            ids = runner.cpu_model.step(ids, [p + step for p in starts], layout)[1]
+            one_at_a_time.append(ids)
+        stepped_cache = [t.clone() for t in runner.kv_cache.tensors()]
+        random_cache(runner, seed=batch)
+        layout = StepLayout.of([(p, p + steps) for p in starts], tables, block_size)
+        decoded = runner.cpu_model.decode(first_ids, starts, layout, steps)
+    assert decoded == one_at_a_time
+    assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.tensors(), stepped_cache))
+
+
+def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(tiny_llama64_dir):
+    runner = engine(tiny_llama64_dir).engine.runner
+    layout = StepLayout.of([(0, 4)] * 3, [[1], [2], [3]], runner.block_size)
+    with torch.inference_mode():
+        runner.model.embed_tokens.weight[6] = float("nan")  # the middle row's first token
+        _, first = runner.cpu_model.step([5, 6, 7], [0, 0, 0], StepLayout.of([(0, 1)] * 3, [[1], [2], [3]],
+                                                                               runner.block_size))
+        assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4) == [first]
+    assert first[1] == -1 and -1 not in (first[0], first[2])
+
+
+def test_runs_of_decode_steps_give_the_outputs_of_single_steps(tiny_llama64_dir):
+    single = engine(tiny_llama64_dir, num_scheduler_steps=1)
+    runs = engine(tiny_llama64_dir)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (9,), generator=g)]
+    # lengths, stop tokens, stop strings and EOS end sequences inside runs
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=i % 2 == 0,
+                             stop_token_ids=[int(m) % 256] if i % 3 == 0 else None, stop=["e"] if i % 4 == 1 else None)
+              for i, m in enumerate(torch.randint(2, 60, (9,), generator=g))]
+    calls = []
+    decode = runs.engine.runner.decode
+    runs.engine.runner.decode = lambda batch: calls.append(batch.steps) or decode(batch)
+
+    def outputs(llm: LLM) -> list[tuple]:  # the batch, then its first request alone
+        done = llm.generate(prompts, params, progress=False) + llm.generate(prompts[:1], params[:1], progress=False)
+        return [(o.token_ids, o.text, o.finish_reason) for o in done]
+
+    assert outputs(runs) == outputs(single)
+    assert calls and max(calls) > 2  # a lone sequence ran its steps in runs
+    blocks = runs.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
 def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
     runner = engine(tiny_llama64_dir).engine.runner
     vocab = runner.model.config.vocab_size

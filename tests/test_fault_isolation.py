@@ -129,8 +129,10 @@ def test_sample_leaves_the_logits_it_is_given_unchanged(llm):
 
 @pytest.fixture(scope="module")
 def cpp_decode_llm(tiny_llama64_dir):
-    """An engine whose decode steps run the C++ model, which reports each row's finiteness itself."""
-    llm = LLM(str(tiny_llama64_dir), dtype="float32", kv_cache_memory=8_000_000, max_num_seqs=16)
+    """An engine whose decode steps run the C++ model, which reports each row's finiteness itself,
+    one step at a time (runs of steps: test_a_non_finite_row_in_a_run_of_decode_steps_...)."""
+    llm = LLM(str(tiny_llama64_dir), dtype="float32", kv_cache_memory=8_000_000, max_num_seqs=16,
+              num_scheduler_steps=1)
     if llm.engine.runner.cpu_model is None:
         pytest.skip("the C++ model is not built here")
     return llm
@@ -162,6 +164,31 @@ def test_a_non_finite_logits_row_fails_only_its_request(request, engine_fixture,
     # n=2: its second completion forks off the first's blocks and must be freed too.
     expect_isolated(llm, inject, "NaN or infinite", bad=SamplingParams(max_tokens=12, n=2, **GREEDY))
     assert any(reported) == (engine_fixture == "cpp_decode_llm")
+
+
+def test_a_non_finite_row_in_a_run_of_decode_steps_fails_only_its_request(tiny_llama64_dir):
+    llm = LLM(str(tiny_llama64_dir), dtype="float32", kv_cache_memory=8_000_000, max_num_seqs=16)
+    if llm.engine.runner.cpu_model is None:
+        pytest.skip("the C++ model is not built here")
+    runs = []
+
+    def inject(patch, engine):
+        decode = engine.runner.decode
+
+        def faulty_decode(batch):
+            decoded = decode(batch)
+            runs.append(len(decoded))
+            bad = [row for row, seq in enumerate(batch.seqs) if is_bad(seq)]
+            if bad and len(decoded) > 2:  # as the C++ model reports it: the run ends with that step
+                for row in bad:
+                    decoded[1][row] = -1
+                return decoded[:2]
+            return decoded
+
+        patch.setattr(engine.runner, "decode", faulty_decode)
+
+    expect_isolated(llm, inject, "NaN or infinite", bad=SamplingParams(max_tokens=12, n=2, **GREEDY))
+    assert runs
 
 
 @pytest.mark.parametrize("method", ["fill_bitmask", "advance"])

@@ -42,11 +42,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.scheduler.add(seq)
 
     @precondition(lambda self: self.scheduler.has_unfinished())
-    @rule()
-    def step(self):
+    @rule(decode_steps=st.integers(1, 6))
+    def step(self, decode_steps=1):
         self.steps += 1
         batch = self.scheduler.schedule()
-        assert batch.total_tokens <= self.budget
+        # capped as the engine caps it: no sequence decodes past max_tokens
+        self.scheduler.decode_steps(batch, min([decode_steps] + [s.params.max_tokens - len(s.output_token_ids)
+                                                                 for s in batch.seqs]))
+        assert batch.steps == 1 or (not self.scheduler.waiting and set(batch.num_tokens) == {1})
+        assert batch.total_tokens <= self.budget * batch.steps
         assert len(batch.seqs) <= self.scheduler.max_num_seqs
         assert len(set(map(id, batch.seqs))) == len(batch.seqs)
         assert all(n > 0 for n in batch.num_tokens)
@@ -54,15 +58,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert batch, "sequences are running but nothing was scheduled"
         for seq, n in zip(batch.seqs, batch.num_tokens):
             assert seq.status is Status.RUNNING
-            assert len(seq.block_table) * self.blocks.block_size >= seq.num_computed_tokens + n
+            assert len(seq.block_table) * self.blocks.block_size >= seq.num_computed_tokens + n * batch.steps
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.blocks.commit_computed(seq)
-            if seq.num_computed_tokens == len(seq):
-                seq.output_token_ids.append((seq.seq_id * 31 + len(seq)) % 97)
-                if len(seq.output_token_ids) >= seq.params.max_tokens:
-                    seq.status = Status.FINISHED
-                    self.scheduler.finish(seq)
+            for _ in range(batch.steps):
+                seq.num_computed_tokens += n
+                self.blocks.commit_computed(seq)
+                if seq.num_computed_tokens == len(seq):
+                    seq.output_token_ids.append((seq.seq_id * 31 + len(seq)) % 97)
+                    if len(seq.output_token_ids) >= seq.params.max_tokens:
+                        seq.status = Status.FINISHED
+                        self.scheduler.finish(seq)
+                        break
 
     @precondition(lambda self: any(not s.finished for s in self.seqs))
     @rule(pick=st.integers(0, 10_000))
