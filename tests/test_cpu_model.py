@@ -282,7 +282,9 @@ def test_runs_of_decode_steps_give_the_outputs_of_single_steps(tiny_llama64_dir)
         done = llm.generate(prompts, params, progress=False) + llm.generate(prompts[:1], params[:1], progress=False)
         return [(o.token_ids, o.text, o.finish_reason) for o in done]
 
-    assert outputs(runs) == outputs(single)
+    expected = outputs(single)
+    assert outputs(runs) == expected
+    assert "".join(runs.stream(prompts[1], params[1])) == expected[1][1]  # deltas of several tokens
     assert calls and max(calls) > 2  # a lone sequence ran its steps in runs
     blocks = runs.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
