@@ -85,7 +85,7 @@ def _instrument(engine, counters: dict[str, Any]) -> Iterator[None]:
     def observe(step: "StepStats") -> None:
         counters["steps"] += 1
         counters["tokens_computed"] += step.scheduled_tokens
-        counters["max_batch_tokens"] = max(counters["max_batch_tokens"], step.scheduled_tokens)
+        counters["max_batch_tokens"] = max(counters["max_batch_tokens"], step.scheduled_tokens // step.forward_passes)
         counters["prefill_computed"] += step.prefill_tokens
         if step.used_blocks > counters["peak_blocks"]:
             counters["peak_blocks"] = step.used_blocks

@@ -105,12 +105,13 @@ def cache_budget(kv_cache_memory: int | float | None, device: torch.device) -> i
 class StepStats:
     """What one engine step did, for observers (`LLMEngine.step_observers`): benchmarks, metrics."""
 
-    scheduled_tokens: int  # tokens in the forward pass
+    scheduled_tokens: int  # tokens in the forward passes
     prefill_tokens: int  # of them, prompt tokens (chunked prefill counts each chunk)
     num_running: int  # sequences running after the step
     live_tokens: int  # tokens the running sequences hold in the KV cache
     partial_blocks: int  # Σ ceil(live tokens / block size) over running sequences: blocks they must hold
     used_blocks: int  # KV blocks allocated after the step (shared prefix blocks once)
+    forward_passes: int = 1  # more where decode steps ran back to back (EngineConfig.num_scheduler_steps)
 
 
 @dataclass
@@ -416,7 +417,7 @@ class LLMEngine:
             logprobs.append(lp)
         return tokens, logprobs
 
-    def _observe(self, batch, prefill_tokens: int) -> None:
+    def _observe(self, batch: ScheduledBatch, prefill_tokens: int) -> None:
         running = self.scheduler.running
         block_size = self.block_manager.block_size
         stats = StepStats(
@@ -424,6 +425,7 @@ class LLMEngine:
             live_tokens=sum(seq.num_computed_tokens for seq in running),
             partial_blocks=sum(-(-seq.num_computed_tokens // block_size) for seq in running),
             used_blocks=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+            forward_passes=batch.steps,
         )
         for observer in self.step_observers:
             observer(stats)

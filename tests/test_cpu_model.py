@@ -10,6 +10,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from qrun import LLM, SamplingParams, cpu_model
+from qrun.bench import BenchRequest, run_qrun
 from qrun.convert.main import convert
 from qrun.cpu_model import CpuModel
 from qrun.cpu_linear import GEMV_ROW_LIMITS, GEMV_ROWS, bfloat16_only, gemv_linears
@@ -288,6 +289,18 @@ def test_runs_of_decode_steps_give_the_outputs_of_single_steps(tiny_llama64_dir)
     assert calls and max(calls) > 2  # a lone sequence ran its steps in runs
     blocks = runs.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_the_benchmark_counts_each_token_of_a_run_of_decode_steps_once(tiny_llama64_dir):
+    llm = engine(tiny_llama64_dir, max_num_batched_tokens=16)
+    prompts = [[3 + i] * (5 + 9 * i) for i in range(4)]
+    requests = [BenchRequest(str(i), "", 20 + 7 * i) for i in range(4)]
+    passes = []
+    llm.engine.step_observers.append(lambda stats: passes.append(stats.forward_passes))
+    result = run_qrun(llm, requests, prompt_token_ids=prompts)
+    assert max(passes) > 1
+    assert result["tokens_computed"] == result["tokens_required"] and result["padding_tokens"] == 0
+    assert result["max_batch_tokens"] <= 16  # a forward pass's, not a run's
 
 
 def test_a_token_id_past_the_embeddings_is_refused_by_name(tiny_llama64_dir):
