@@ -266,9 +266,10 @@ def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(ti
     assert first[1] == -1 and -1 not in (first[0], first[2])
 
 
-def test_runs_of_decode_steps_give_the_outputs_of_single_steps(tiny_llama64_dir):
-    single = engine(tiny_llama64_dir, num_scheduler_steps=1)
-    runs = engine(tiny_llama64_dir)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
+def test_runs_of_decode_steps_give_the_outputs_of_single_steps(tiny_llama64_dir, kv_cache_dtype):
+    single = engine(tiny_llama64_dir, num_scheduler_steps=1, kv_cache_dtype=kv_cache_dtype)
+    runs = engine(tiny_llama64_dir, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (9,), generator=g)]
     # lengths, stop tokens, stop strings and EOS end sequences inside runs
