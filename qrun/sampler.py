@@ -36,18 +36,47 @@ def suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_i
             logits[row, stops] = float("-inf")
 
 
-def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens outside each row's top-k, nucleus (top-p) and min-p sets with -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)
-    remove = ranks[None, :] >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p; the top token always stays.
-    remove |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    remove |= probs < min_p[:, None] * probs[:, :1]
-    remove[:, 0] = False
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """`probs` [B, V] (rows of a softmax) with every token outside its row's top-k, nucleus (top-p,
+    within the top-k renormalized) and min-p sets zeroed; the likeliest token always stays. top_k
+    is capped at V (V: no limit). A new tensor."""
+    vocab = probs.shape[1]
+    keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    for row in ((top_k < vocab) | (top_p < 1)).nonzero().flatten().tolist():
+        in_nucleus = torch.zeros_like(keep[row])
+        in_nucleus[_nucleus(probs[row], int(top_k[row]), float(top_p[row]))] = True
+        keep[row] &= in_nucleus
+    return probs * keep
+
+
+def _nucleus(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The ids of the tokens of `probs` [V] that top-k and top-p keep: a token stays while fewer
+    than top_k come before it and the mass before it, over the top-k's, is at most top_p. Sorted
+    are only the top-k, or the tokens above (1 - top_p) / V of the mass: below that a token and all
+    less likely ones hold less than 1 - top_p, so more than top_p comes before it (a sort of a
+    49,152-token row took 2.8 ms on a 2-core Xeon, of its few hundred candidates ~60 us)."""
+    vocab = probs.numel()
+    if top_k < vocab:
+        values, ids = probs.topk(top_k)
+        norm = values.sum()
+    else:
+        norm = probs.sum()
+        ids = (probs > (1 - top_p) * norm / vocab * (1 - 1e-6)).nonzero().flatten()
+        values, order = probs[ids].sort(descending=True)
+        ids = ids[order]
+    if top_p >= 1:
+        return ids
+    before = (values.cumsum(dim=0) - values) / norm
+    return ids[:max(1, int((before <= top_p).sum()))]
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token a row of `probs` [B, V] (non-negative, not necessarily summing to 1), drawn in
+    proportion to them by `uniforms` [B] in [0, 1): the first token whose cumulative mass exceeds
+    that share of the row's. float64 sums, so each token's share is its own to ~1e-16."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    targets = uniforms.to(torch.float64) * cdf[:, -1]
+    return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
 
 
 def greedy_on_raw_logits(seq: Sequence) -> bool:
@@ -90,24 +119,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     tokens = first_max_of(logits)
     if not all(greedy):
         temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device)
-        scaled = logits / temperature[:, None]
+        probs = (logits / temperature[:, None]).softmax(dim=-1)
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             vocab = logits.shape[1]
-            scaled = truncate(
-                scaled,
+            probs = truncate(
+                probs,
                 # Capped at the vocabulary: a larger top_k means the same and may not fit an int64.
                 torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
                 torch.tensor([p.top_p for p in params], device=device),
                 torch.tensor([p.min_p for p in params], device=device),
             )
-        probs = scaled.softmax(dim=-1)
-        # Exponential race (argmax of p / Exp(1)) samples from p. A seeded row draws its noise
-        # from its own generator, so its tokens do not depend on the rest of the batch.
-        noise = torch.empty_like(probs).exponential_()
+        # One uniform a row, by inverse CDF (an exponential race drew one a token: 0.85 ms a row of 49,152
+        # on a 2-core Xeon). A seeded row draws from its own generator, so its tokens do not depend on the
+        # rest of the batch.
+        uniforms = torch.rand(len(seqs), dtype=torch.float64, device=device)
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
-                noise[row].exponential_(generator=seq.generator)
-        sampled = first_max_of(probs / noise)
+                uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=seq.generator)
+        sampled = inverse_cdf(probs, uniforms)
         tokens = torch.where(torch.tensor(greedy, device=device), tokens, sampled)
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, params, token_list)

@@ -10,7 +10,7 @@ from qrun import kernels
 from qrun.kernels import cpu_library
 from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cpu_argmax import first_max_cpu
-from qrun.sampler import sample
+from qrun.sampler import inverse_cdf, sample, truncate
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import Sequence
 
@@ -65,3 +65,65 @@ def test_a_given_first_maximum_is_taken_only_where_nothing_rewrites_a_greedy_row
     tokens, _ = sample(logits, [seq], eos_token_ids=[2], first_max=stale)
     assert (tokens == stale) == takes_first_max
     assert sample(logits, [seq], eos_token_ids=[2])[0] != stale
+
+
+def sorted_truncation(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The definition, by a sort of each whole row: a token stays while fewer than top_k come before it, the mass
+    before it (renormalized over the top-k) is at most top_p, and it has at least min_p of the top token's."""
+    values, order = probs.double().sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1])
+    in_top_k = ranks[None, :] < top_k[:, None]
+    within = values * in_top_k
+    before = (within.cumsum(dim=-1) - within) / within.sum(dim=-1, keepdim=True)
+    keep = in_top_k & (before <= top_p[:, None]) & (values >= min_p[:, None] * values[:, :1])
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 700), spread=st.floats(0.1, 8.0), seed=st.integers(0, 2**16),
+       limits=st.lists(st.tuples(st.integers(0, 800), st.floats(0.05, 1.0), st.sampled_from([0.0, 0.0, 0.01, 0.2])),
+                       min_size=4, max_size=4))
+def test_truncation_keeps_each_rows_top_k_nucleus_and_min_p_sets_as_a_full_sort_defines_them(
+        rows, vocab, spread, seed, limits):
+    probs = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * spread).softmax(dim=-1)
+    top_k = torch.tensor([min(k, vocab) if k > 0 else vocab for k, _, _ in limits[:rows]])
+    top_p = torch.tensor([p for _, p, _ in limits[:rows]])
+    min_p = torch.tensor([m for _, _, m in limits[:rows]])
+    expected = sorted_truncation(probs, top_k, top_p, min_p)
+    kept = truncate(probs, top_k, top_p, min_p) > 0
+    # the two sum in different orders: they may differ only where a token's mass-before sits at top_p itself
+    values, order = probs.double().sort(dim=-1, descending=True)
+    before = (values.cumsum(dim=-1) - values).gather(1, order.argsort(dim=-1))
+    borderline = (before / torch.where(top_k < vocab, values.cumsum(-1).gather(1, top_k[:, None] - 1).squeeze(1),
+                                        1.0)[:, None] - top_p[:, None]).abs() < 1e-5
+    assert torch.equal(kept | borderline, expected | borderline)
+    assert kept.any(dim=-1).all() and torch.equal(truncate(probs, top_k, top_p, min_p)[kept], probs[kept])
+
+
+def test_inverse_cdf_draws_tokens_in_proportion_to_their_mass_and_never_a_massless_one():
+    mass = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.5, 0.5, 0.0])  # unnormalized, zeros among them
+    draws = 200_000
+    tokens = inverse_cdf(mass.expand(draws, -1), torch.rand(draws, dtype=torch.float64,
+                                                            generator=torch.Generator().manual_seed(0)))
+    counts = torch.bincount(tokens, minlength=len(mass)).double()
+    expected = mass.double() / mass.sum() * draws
+    assert torch.equal(counts == 0, mass == 0)
+    assert ((counts - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
+    edges = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)  # the smallest and largest uniforms
+    assert inverse_cdf(mass.expand(2, -1), edges).tolist() == [1, 5]
+
+
+def test_sampling_follows_the_temperature_scaled_nucleus():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0, 0.0]])
+    params = SamplingParams(temperature=0.7, top_p=0.8, seed=5)
+    seq = Sequence(0, "r", 0, [1], params, detokenizer=None, arrival_time=0.0,
+                   generator=torch.Generator().manual_seed(5))
+    draws = 20_000
+    counts = torch.bincount(torch.tensor([sample(logits, [seq], eos_token_ids=[])[0][0] for _ in range(draws)]),
+                            minlength=6).double()
+    probs = (logits[0].double() / 0.7).softmax(dim=-1)
+    nucleus = sorted_truncation(probs[None], torch.tensor([6]), torch.tensor([0.8]), torch.tensor([0.0]))[0]
+    expected = probs * nucleus / (probs * nucleus).sum() * draws
+    assert torch.equal(counts > 0, nucleus)
+    assert ((counts - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
