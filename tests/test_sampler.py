@@ -67,7 +67,8 @@ def test_a_given_first_maximum_is_taken_only_where_nothing_rewrites_a_greedy_row
     assert sample(logits, [seq], eos_token_ids=[2])[0] != stale
 
 
-def sorted_truncation(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def sorted_truncation(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor) -> torch.Tensor:
     """The definition, by a sort of each whole row: a token stays while fewer than top_k come before it, the mass
     before it (renormalized over the top-k) is at most top_p, and it has at least min_p of the top token's."""
     values, order = probs.double().sort(dim=-1, descending=True)
