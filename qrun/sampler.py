@@ -73,10 +73,20 @@ def _nucleus(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token a row of `probs` [B, V] (non-negative, not necessarily summing to 1), drawn in
     proportion to them by `uniforms` [B] in [0, 1): the first token whose cumulative mass exceeds
-    that share of the row's. float64 sums, so each token's share is its own to ~1e-16."""
+    that share of the row's. float64 sums, so each token's share is its own to ~1e-16. -1 for a
+    row whose mass is not a positive finite number (NaN probabilities: a row of logits all -inf)."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    targets = uniforms.to(torch.float64) * cdf[:, -1]
-    return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    total = cdf[:, -1]
+    tokens = torch.searchsorted(cdf, (uniforms.to(torch.float64) * total)[:, None], right=True).squeeze(1)
+    return torch.where(torch.isfinite(total) & (total > 0), tokens, -1)
+
+
+def at_infinity(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with each row that reaches +inf (a repetition penalty near 0 divides a seen token's
+    positive logit to infinity) replaced by its limit, 0 at the infinite ones and -inf elsewhere: a
+    softmax then gives what it tends to, equal shares of the infinite ones, not NaN."""
+    infinite = torch.isposinf(logits)
+    return torch.where(infinite.any(dim=-1, keepdim=True), torch.where(infinite, 0.0, float("-inf")), logits)
 
 
 def greedy_on_raw_logits(seq: Sequence) -> bool:
@@ -119,7 +129,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     tokens = first_max_of(logits)
     if not all(greedy):
         temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device)
-        probs = (logits / temperature[:, None]).softmax(dim=-1)
+        probs = at_infinity(logits / temperature[:, None]).softmax(dim=-1)
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             vocab = logits.shape[1]
             probs = truncate(
@@ -137,7 +147,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
             if seq.generator is not None:
                 uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=seq.generator)
         sampled = inverse_cdf(probs, uniforms)
-        tokens = torch.where(torch.tensor(greedy, device=device), tokens, sampled)
+        # greedy rows, and rows with no distribution to draw from: their logits' first maximum
+        tokens = torch.where(torch.tensor(greedy, device=device) | (sampled < 0), tokens, sampled)
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, params, token_list)
 
@@ -147,7 +158,7 @@ def _logprobs(logits: torch.Tensor, params, tokens: list[int]) -> list[dict[int,
     if not any(wanted):
         return [None] * len(params)
     rows = [i for i, w in enumerate(wanted) if w]
-    logprobs = logits[rows].log_softmax(dim=-1)
+    logprobs = at_infinity(logits[rows]).log_softmax(dim=-1)
     most = max(params[i].logprobs for i in rows)
     top_values, top_ids = logprobs.topk(max(most, 1), dim=-1) if most else (None, None)
     result: list[dict[int, float] | None] = [None] * len(params)

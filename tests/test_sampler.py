@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -128,3 +130,16 @@ def test_sampling_follows_the_temperature_scaled_nucleus():
     expected = probs * nucleus / (probs * nucleus).sum() * draws
     assert torch.equal(counts > 0, nucleus)
     assert ((counts - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
+
+
+def test_a_row_whose_penalised_logits_reach_infinity_samples_its_infinite_tokens_in_equal_shares():
+    """A repetition penalty near 0 divides seen tokens' positive logits to +inf: the limit of the distribution."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    params = SamplingParams(temperature=1.0, repetition_penalty=5e-324, logprobs=1)
+    seq = Sequence(0, "r", 0, [2, 1], params, detokenizer=None, arrival_time=0.0,
+                   generator=torch.Generator().manual_seed(0))
+    drawn = [sample(logits, [seq], eos_token_ids=[]) for _ in range(400)]
+    tokens = [tokens[0] for tokens, _ in drawn]
+    assert set(tokens) == {1, 2} and 120 < tokens.count(1) < 280
+    assert all(logprobs[0][token] == pytest.approx(-math.log(2)) for (token,), logprobs in drawn)
+    assert inverse_cdf(torch.tensor([[float("nan"), 1.0], [0.0, 0.0]]), torch.tensor([0.5, 0.5])).tolist() == [-1, -1]
