@@ -85,6 +85,8 @@ def at_infinity(logits: torch.Tensor) -> torch.Tensor:
     """`logits` with each row that reaches +inf (a repetition penalty near 0 divides a seen token's
     positive logit to infinity) replaced by its limit, 0 at the infinite ones and -inf elsewhere: a
     softmax then gives what it tends to, equal shares of the infinite ones, not NaN."""
+    if not torch.isposinf(logits.amax()):  # one pass where no row does
+        return logits
     infinite = torch.isposinf(logits)
     return torch.where(infinite.any(dim=-1, keepdim=True), torch.where(infinite, 0.0, float("-inf")), logits)
 
