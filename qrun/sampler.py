@@ -60,7 +60,8 @@ def _top_k_and_nucleus(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     total = probs.sum(dim=-1)
     floor = (1 - top_p) * total / vocab * (1 - 1e-6)
     candidates = torch.where(top_k < vocab, top_k, (probs > floor[:, None]).sum(dim=-1))
-    values, ids = probs.topk(int(torch.where(limited, candidates, 1).max()), dim=-1)
+    # at least one: a row of NaN (every logit -inf) has no candidate
+    values, ids = probs.topk(max(1, int(torch.where(limited, candidates, 1).max())), dim=-1)
     count = values.shape[1]
     cumulative = values.cumsum(dim=-1)
     top_k_mass = cumulative.gather(1, (top_k.clamp(max=count) - 1)[:, None]).squeeze(1)

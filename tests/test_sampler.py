@@ -143,3 +143,10 @@ def test_a_row_whose_penalised_logits_reach_infinity_samples_its_infinite_tokens
     assert set(tokens) == {1, 2} and 120 < tokens.count(1) < 280
     assert all(logprobs[0][token] == pytest.approx(-math.log(2)) for (token,), logprobs in drawn)
     assert inverse_cdf(torch.tensor([[float("nan"), 1.0], [0.0, 0.0]]), torch.tensor([0.5, 0.5])).tolist() == [-1, -1]
+
+
+def test_a_row_with_every_logit_minus_infinity_samples_a_token_of_the_vocabulary():
+    logits = torch.full((1, 5), float("-inf"))
+    seq = Sequence(0, "r", 0, [1], SamplingParams(temperature=0.8, top_p=0.5), detokenizer=None, arrival_time=0.0)
+    [token], _ = sample(logits, [seq], eos_token_ids=[])
+    assert 0 <= token < 5
