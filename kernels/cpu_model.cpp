@@ -581,39 +581,39 @@ class StepModel : public torch::CustomClassHolder {
     }
 
     // Greedy decoding of `steps` tokens for each of `ids`' rows (one sequence each, every row sampling), each step's
-    // first maxima the next step's ids: what `steps` calls of forward give, without the engine's bookkeeping between
-    // them (~0.2 ms a token at one row of a 4.0-bpw SmolLM2 on a 2-core Xeon, most of it cache misses after the step's
-    // weights streamed past). positions and seq_lens: the first step's, one more each step after; slot_mapping: each
-    // step's rows' slots in turn (steps x rows). The tokens, step by step (steps x rows); a step in which a row's
-    // logits are not finite is the last (that row's token -1).
+    // first maxima the next step's ids: what `steps` calls of forward give (with its float16 GEMV where the model has
+    // one), without the engine's bookkeeping between them (~0.2 ms a token at one row of a 4.0-bpw SmolLM2 on a
+    // 2-core Xeon, most of it cache misses after the step's weights streamed past). positions: the first step's, one
+    // more each step after (a row's context: its position + 1); slot_mapping: each row's slots of its steps in turn
+    // (rows x steps, as qrun/model.py's StepLayout.of lists them). The tokens, step by step (steps x rows); a step in
+    // which a row's logits are not finite is the last (that row's token -1).
     std::vector<int64_t> decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
                                 const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
-                                int64_t table_width, const std::vector<int64_t>& seq_lens, int64_t steps,
-                                bool half_gemv) {
+                                int64_t table_width, int64_t steps) {
         const int64_t rows = ids.size();
-        TORCH_CHECK(rows > 0 && steps > 0 && int64_t(positions.size()) == rows && int64_t(seq_lens.size()) == rows &&
-                        int64_t(slot_mapping.size()) == steps * rows && table_width > 0 &&
+        TORCH_CHECK(rows > 0 && steps > 0 && int64_t(positions.size()) == rows &&
+                        int64_t(slot_mapping.size()) == rows * steps && table_width > 0 &&
                         int64_t(block_tables.size()) == rows * table_width,
-                    "StepModel.decode: ids, positions and seq_lens need one value a row, slot_mapping steps x rows, "
+                    "StepModel.decode: ids and positions need one value a row, slot_mapping steps a row, "
                     "block_tables table_width a row");
         std::vector<int64_t> sample_rows(rows), query_start_loc(rows + 1);
         std::iota(sample_rows.begin(), sample_rows.end(), 0);
         std::iota(query_start_loc.begin(), query_start_loc.end(), 0);
         const at::Tensor tables = tensor_of(block_tables, {rows, table_width}, at::kInt);
         const at::Tensor starts = tensor_of(query_start_loc, {rows + 1}, at::kInt);
-        std::vector<int64_t> tokens, step_ids = ids, step_positions = positions, step_lens = seq_lens;
+        std::vector<int64_t> tokens, step_ids = ids, step_positions = positions, slots(rows), lengths(rows);
         tokens.reserve(steps * rows);
         for (int64_t s = 0; s < steps; s++) {
-            const std::vector<int64_t> slots(slot_mapping.begin() + s * rows, slot_mapping.begin() + (s + 1) * rows);
+            for (int64_t r = 0; r < rows; r++) {
+                slots[r] = slot_mapping[r * steps + s];
+                lengths[r] = step_positions[r] + 1;
+            }
             const StepMeta meta{tensor_of(step_positions, {rows}, at::kLong), tensor_of(slots, {rows}, at::kLong),
-                                tables, tensor_of(step_lens, {rows}, at::kInt), starts, false};
-            step_ids = std::get<1>(sampled_step(step_ids, meta, half_gemv, sample_rows));
+                                tables, tensor_of(lengths, {rows}, at::kInt), starts, false};
+            step_ids = std::get<1>(sampled_step(step_ids, meta, true, sample_rows));
             tokens.insert(tokens.end(), step_ids.begin(), step_ids.end());
             if (std::find(step_ids.begin(), step_ids.end(), -1) != step_ids.end()) break;
-            for (int64_t r = 0; r < rows; r++) {
-                step_positions[r]++;
-                step_lens[r]++;
-            }
+            for (int64_t& position : step_positions) position++;
         }
         return tokens;
     }

@@ -150,10 +150,8 @@ class CpuModel:
         token per sequence; a step in which a sequence's logits are not finite is the last (its
         token -1)."""
         rows = len(ids)
-        # StepLayout.of lists each sequence's slots together; the C++ model reads them step by step
-        slots = [layout.slot_mapping[row * steps + step] for step in range(steps) for row in range(rows)]
-        tokens = self.step_model.decode(ids, positions, slots, layout.block_tables, layout.table_width,
-                                        [p + 1 for p in positions], steps, True)
+        tokens = self.step_model.decode(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
+                                        steps)
         return [tokens[i:i + rows] for i in range(0, len(tokens), rows)]
 
 

@@ -36,6 +36,20 @@ def decode_step_both_ways(llm: LLM, batch: int, half_gemv: bool = True):
     return step_both_ways(llm, [1] * batch, seed=batch, half_gemv=half_gemv)
 
 
+def random_cache(cache, g: torch.Generator) -> None:
+    """Every cache tensor random in its kind's range: codes, float16 scales, float keys and values."""
+    with torch.inference_mode():
+        for tensor in cache.tensors():
+            if tensor.dtype == torch.int8:
+                tensor.random_(-127, 128, generator=g)
+            elif tensor.dtype == torch.uint8:
+                tensor.random_(0, 256, generator=g)
+            elif tensor.dtype == torch.float16:
+                tensor.uniform_(0.01, 0.1, generator=g)
+            else:
+                tensor.normal_(generator=g)
+
+
 def step_both_ways(llm: LLM, query_lens: list[int], seed: int, half_gemv: bool = True, sample_every: int = 1):
     """One step of sequences with these query lengths (1: a decode row; more: a prefill chunk after cached
     tokens) at different context lengths, every `sample_every`-th sequence's last row sampling, through the torch
@@ -53,16 +67,8 @@ def step_both_ways(llm: LLM, query_lens: list[int], seed: int, half_gemv: bool =
     positions = torch.tensor([p for start, end in spans for p in range(start, end)])
     ends = torch.tensor(query_lens).cumsum(0) - 1
     rows = ends[::sample_every].tolist()
+    random_cache(cache, g)  # earlier tokens' keys and values (and their scales)
     with torch.inference_mode():
-        for tensor in cache.tensors():  # earlier tokens' keys and values (and their scales)
-            if tensor.dtype == torch.int8:
-                tensor.random_(-127, 128, generator=g)
-            elif tensor.dtype == torch.uint8:
-                tensor.random_(0, 256, generator=g)
-            elif tensor.dtype == torch.float16:
-                tensor.uniform_(0.01, 0.1, generator=g)
-            else:
-                tensor.normal_(generator=g)
         results = []
         for step in (lambda: model.compute_logits(model(ids, positions, meta, cache)[rows]),
                      lambda: runner.cpu_model.step(ids.tolist(), positions.tolist(), layout, half_gemv, rows)[0]):
@@ -224,13 +230,6 @@ def test_cpu_model_gives_each_rows_greedy_token_and_minus_one_where_its_logits_a
     assert first_max == [first_max_ref(logits[:1]).item(), -1, first_max_ref(logits[2:]).item()]
 
 
-def random_cache(runner, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.inference_mode():
-        for tensor in runner.kv_cache.tensors():
-            tensor.normal_(generator=g)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own_greedy_tokens(
@@ -240,7 +239,7 @@ def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own
     starts = [5 + 13 * s for s in range(batch)]  # crossing a block boundary within the run
     tables = [[1 + 4 * s + i for i in range(4)] for s in range(batch)]
     first_ids = [11 * (s + 1) for s in range(batch)]
-    random_cache(runner, seed=batch)
+    random_cache(runner.kv_cache, torch.Generator().manual_seed(batch))
     one_at_a_time, ids = [], first_ids
     with torch.inference_mode():
         for step in range(steps):
@@ -248,7 +247,7 @@ def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own
             ids = runner.cpu_model.step(ids, [p + step for p in starts], layout)[1]
             one_at_a_time.append(ids)
         stepped_cache = [t.clone() for t in runner.kv_cache.tensors()]
-        random_cache(runner, seed=batch)
+        random_cache(runner.kv_cache, torch.Generator().manual_seed(batch))
         layout = StepLayout.of([(p, p + steps) for p in starts], tables, block_size)
         decoded = runner.cpu_model.decode(first_ids, starts, layout, steps)
     assert decoded == one_at_a_time
