@@ -1,6 +1,6 @@
-// The plain C++ kernels' entry points (cpu_activation.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
-// cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp,
-// which makes them torch ops (the C++ model calls those); their Python modules document the arguments. And what
+// The plain C++ kernels' entry points (cpu_activation.cpp, cpu_argmax.cpp, cpu_attention.cpp, cpu_draw.cpp,
+// cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp,
+// cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the C++ model calls those); their Python modules document the arguments. And what
 // the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads (a
 // step's team, else an OpenMP region).
 
@@ -368,6 +368,9 @@ extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out,
 extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,
                                  int64_t width, int threads);
 extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t width, int64_t* out, int threads);
+extern "C" void qrun_draw(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperature,
+                          const int64_t* top_k, const float* top_p, const float* min_p, const double* uniforms,
+                          int64_t* out, int threads);
 extern "C" double qrun_read_sum(const float* x, int64_t n, int streams, int threads);
 extern "C" double qrun_multiply_adds(int64_t rounds, int threads);
 extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, const void* weight, void* out, void* sum,

@@ -1,7 +1,7 @@
 """The C++ kernels for CPUs, built into one library of torch ops at first use.
 
-The kernels (cpu_activation.cpp, cpu_argmax.cpp, cpu_attention.cpp, cpu_half_gemv.cpp, cpu_int4.cpp,
-cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotary.cpp, cpu_rotation.cpp, and
+The kernels (cpu_activation.cpp, cpu_argmax.cpp, cpu_attention.cpp, cpu_draw.cpp, cpu_half_gemv.cpp,
+cpu_int4.cpp, cpu_kv_store.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp, cpu_rotary.cpp, cpu_rotation.cpp, and
 cpu_read.cpp, the benchmark's read-bandwidth probe) are plain C++; cpu_ops.cpp registers them as `torch.ops.qrun.*`
 (schema, CPU and, for the model's, Meta implementations), so eager code reaches them with one dispatch (~1.5 us
 for an empty op; the Python op around a ctypes call it replaces took ~10 us, and a decode step makes ~150 such calls)
@@ -40,10 +40,10 @@ from qrun.atomic import atomic_path
 log = logging.getLogger("qrun")
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_activation.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_half_gemv.cpp",
-                             "cpu_int4.cpp", "cpu_kv_store.cpp", "cpu_norm.cpp", "cpu_quant_matmul.cpp",
-                             "cpu_quant_matmul_amx.cpp", "cpu_read.cpp", "cpu_rotary.cpp", "cpu_rotation.cpp",
-                             "cpu_ops.cpp", "cpu_model.cpp"))
+                for name in ("cpu_activation.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_draw.cpp",
+                             "cpu_half_gemv.cpp", "cpu_int4.cpp", "cpu_kv_store.cpp", "cpu_norm.cpp",
+                             "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp", "cpu_read.cpp", "cpu_rotary.cpp",
+                             "cpu_rotation.cpp", "cpu_ops.cpp", "cpu_model.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_ops.h"))
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fopenmp", "-std=c++20", "-shared", "-fPIC",

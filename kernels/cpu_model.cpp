@@ -580,23 +580,39 @@ class StepModel : public torch::CustomClassHolder {
         return sampled_step(ids, meta, half_gemv, sample_rows);
     }
 
-    // Greedy decoding of `steps` tokens for each of `ids`' rows (one sequence each, every row sampling), each step's
-    // first maxima the next step's ids: what `steps` calls of forward give (with its float16 GEMV where the model has
-    // one), without the engine's bookkeeping between them (~0.2 ms a token at one row of a 4.0-bpw SmolLM2 on a
-    // 2-core Xeon, most of it cache misses after the step's weights streamed past). positions: the first step's, one
-    // more each step after (a row's context: its position + 1); slot_mapping: each row's slots of its steps in turn
-    // (rows x steps, as qrun/model.py's StepLayout.of lists them). The tokens, step by step (steps x rows); a step in
-    // which a row's logits are not finite is the last (that row's token -1).
+    // Decoding of `steps` tokens for each of `ids`' rows (one sequence each, every row sampling), each step's tokens
+    // the next step's ids: what `steps` calls of forward and the engine's sampler give (forward with its float16 GEMV
+    // where the model has one), without the engine's bookkeeping between them (~0.2 ms a token at one row of a
+    // 4.0-bpw SmolLM2 on a 2-core Xeon, most of it cache misses after the step's weights streamed past). positions:
+    // the first step's, one more each step after (a row's context: its position + 1); slot_mapping: each row's slots
+    // of its steps in turn (rows x steps, as qrun/model.py's StepLayout.of lists them). A row's token is its logits'
+    // first maximum where its temperature is 0, else drawn as kernels/cpu_draw.cpp draws (its top_k, top_p, min_p,
+    // and its uniform of the step: uniforms float64 [steps, rows]; [0, rows] where no row draws). The tokens, step by
+    // step (steps x rows); a step in which a row's logits are not finite is the last (that row's token -1).
     std::vector<int64_t> decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
                                 const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
-                                int64_t table_width, int64_t steps) {
+                                int64_t table_width, int64_t steps, const std::vector<double>& temperature,
+                                const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+                                const std::vector<double>& min_p, const at::Tensor& uniforms) {
         const int64_t rows = ids.size();
         TORCH_CHECK(rows > 0 && steps > 0 && int64_t(positions.size()) == rows &&
                         int64_t(slot_mapping.size()) == rows * steps && table_width > 0 &&
-                        int64_t(block_tables.size()) == rows * table_width,
-                    "StepModel.decode: ids and positions need one value a row, slot_mapping steps a row, "
-                    "block_tables table_width a row");
-        std::vector<int64_t> sample_rows(rows), query_start_loc(rows + 1);
+                        int64_t(block_tables.size()) == rows * table_width && int64_t(temperature.size()) == rows &&
+                        int64_t(top_k.size()) == rows && int64_t(top_p.size()) == rows &&
+                        int64_t(min_p.size()) == rows,
+                    "StepModel.decode: ids, positions, temperature, top_k, top_p and min_p need one value a row, "
+                    "slot_mapping steps a row, block_tables table_width a row");
+        const bool draws = std::any_of(temperature.begin(), temperature.end(), [](double t) { return t > 0; });
+        TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.dim() == 2 &&
+                        uniforms.size(0) == (draws ? steps : 0) && uniforms.size(1) == rows,
+                    "StepModel.decode: uniforms must be contiguous float64 [steps, rows] ([0, rows] where no row "
+                    "draws), got ", uniforms.scalar_type(), " ", uniforms.sizes());
+        // the draw's arguments; a greedy row draws at temperature 1, and its draw is not taken
+        std::vector<float> draw_temperature(rows), draw_top_p(top_p.begin(), top_p.end()),
+            draw_min_p(min_p.begin(), min_p.end());
+        std::transform(temperature.begin(), temperature.end(), draw_temperature.begin(),
+                       [](double t) { return t > 0 ? float(t) : 1.f; });
+        std::vector<int64_t> sample_rows(rows), query_start_loc(rows + 1), drawn(rows);
         std::iota(sample_rows.begin(), sample_rows.end(), 0);
         std::iota(query_start_loc.begin(), query_start_loc.end(), 0);
         const at::Tensor tables = tensor_of(block_tables, {rows, table_width}, at::kInt);
@@ -610,9 +626,18 @@ class StepModel : public torch::CustomClassHolder {
             }
             const StepMeta meta{tensor_of(step_positions, {rows}, at::kLong), tensor_of(slots, {rows}, at::kLong),
                                 tables, tensor_of(lengths, {rows}, at::kInt), starts, false};
-            step_ids = std::get<1>(sampled_step(step_ids, meta, true, sample_rows));
+            at::Tensor logits;
+            std::tie(logits, step_ids) = sampled_step(step_ids, meta, true, sample_rows);
+            const bool finite = std::find(step_ids.begin(), step_ids.end(), -1) == step_ids.end();
+            if (draws && finite) {
+                qrun_draw(logits.data_ptr<float>(), logits.size(1), rows, logits.size(1), draw_temperature.data(),
+                          top_k.data(), draw_top_p.data(), draw_min_p.data(), uniforms.data_ptr<double>() + s * rows,
+                          drawn.data(), at::get_num_threads());
+                for (int64_t r = 0; r < rows; r++)
+                    if (temperature[r] > 0 && drawn[r] >= 0) step_ids[r] = drawn[r];
+            }
             tokens.insert(tokens.end(), step_ids.begin(), step_ids.end());
-            if (std::find(step_ids.begin(), step_ids.end(), -1) != step_ids.end()) break;
+            if (!finite) break;
             for (int64_t& position : step_positions) position++;
         }
         return tokens;

@@ -362,6 +362,30 @@ at::Tensor first_max(const at::Tensor& rows) {
     return out;
 }
 
+// A token drawn from each row of logits under its sampling parameters (kernels/cpu_draw.py).
+at::Tensor draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniforms) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+                    logits.size(1) > 0 && logits.size(1) < (int64_t(1) << 31),
+                "draw: logits must be float32 [rows, vocab] with contiguous rows and 0 < vocab < 2^31, got ",
+                logits.scalar_type(), " ", logits.sizes());
+    const int64_t rows = logits.size(0);
+    const auto per_row = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
+        TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == dtype && t.is_contiguous(), "draw: ",
+                    name, " must be ", dtype, " [", rows, "], got ", t.scalar_type(), " ", t.sizes());
+    };
+    per_row(temperature, at::kFloat, "temperature");
+    per_row(top_k, at::kLong, "top_k");
+    per_row(top_p, at::kFloat, "top_p");
+    per_row(min_p, at::kFloat, "min_p");
+    per_row(uniforms, at::kDouble, "uniforms");
+    at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+    qrun_draw(logits.data_ptr<float>(), logits.stride(0), rows, logits.size(1), temperature.data_ptr<float>(),
+              top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(), min_p.data_ptr<float>(), uniforms.data_ptr<double>(),
+              out.data_ptr<int64_t>(), at::get_num_threads());
+    return out;
+}
+
 // x's float32 sum, each thread reading its share in `streams` runs side by side (kernels/cpu_read.cpp).
 at::Tensor read_sum(const at::Tensor& x, int64_t streams) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "read_sum: x must be contiguous float32, got ",
@@ -381,6 +405,11 @@ double multiply_adds(int64_t rounds) {
 
 at::Tensor first_max_shape(const at::Tensor& rows) {
     return at::empty_symint({rows.sym_size(0)}, rows.options().dtype(at::kLong));
+}
+
+at::Tensor draw_shape(const at::Tensor& logits, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&) {
+    return at::empty_symint({logits.sym_size(0)}, logits.options().dtype(at::kLong));
 }
 
 at::Tensor silu_and_mul_shape(const at::Tensor& gate, const at::Tensor&) {
@@ -595,6 +624,8 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("gather_columns(Tensor x, Tensor index) -> Tensor");
     m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
     m.def("first_max(Tensor rows) -> Tensor");
+    m.def("draw(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor uniforms) "
+          "-> Tensor");
     m.def("read_sum(Tensor x, int streams) -> Tensor");
     m.def("multiply_adds(int rounds) -> float", &multiply_adds);  // no tensors to dispatch on: every backend's
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
@@ -616,6 +647,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("gather_columns", &gather_columns);
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("first_max", &first_max);
+    m.impl("draw", &draw);
     m.impl("read_sum", &read_sum);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
@@ -634,6 +666,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("gather_columns", &gather_columns_shape);
     m.impl("silu_and_mul", &silu_and_mul_shape);
     m.impl("first_max", &first_max_shape);
+    m.impl("draw", &draw_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);
     m.impl("add_rms_norm", &add_rms_norm_shape);

@@ -21,7 +21,7 @@ from qrun.loader import load_model
 from qrun.kv_cache import KVCacheSpec
 from qrun.memory_plan import kv_blocks
 from qrun.model_runner import ModelRunner
-from qrun.sampler import greedy_on_raw_logits, sample
+from qrun.sampler import sample, samples_from_raw_logits
 from qrun.sampling_params import SamplingParams
 from qrun.scheduler import ScheduledBatch, Scheduler
 from qrun.sequence import RequestMetrics, RequestOutput, Sequence
@@ -51,7 +51,7 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    # Greedy decode steps the C++ model may run back to back without returning to the engine (vLLM's
+    # Decode steps the C++ model may run back to back without returning to the engine (vLLM's
     # multi-step scheduling): 1 returns after every token. Streamed tokens then arrive up to this
     # many at a time; see LLMEngine._decode_steps for when a step qualifies.
     num_scheduler_steps: int = 16
@@ -359,18 +359,18 @@ class LLMEngine:
                 self._append(seq, token, lp)
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
-        """How many greedy decode steps `batch` may run back to back (the scheduler then checks it
-        can): as many as take MAX_DECODE_RUN_S at the last decode step's speed, none past a
-        sequence's max_tokens or the model's length, and one where the C++ model does not cover
-        the model or a sequence's sampling needs more than its logits' first maximum (sampling,
-        logprobs, penalties, a grammar: `greedy_on_raw_logits`)."""
+        """How many decode steps `batch` may run back to back (the scheduler then checks it can): as
+        many as take MAX_DECODE_RUN_S at the last decode step's speed, none past a sequence's
+        max_tokens or the model's length, and one where the C++ model does not cover the model or a
+        sequence's sampling needs more than its logits as the model gives them (logprobs,
+        penalties, held-back stop tokens, a grammar: `samples_from_raw_logits`)."""
         steps = self.config.num_scheduler_steps
         if self._decode_step_s:
             steps = min(steps, int(MAX_DECODE_RUN_S / self._decode_step_s))
         if steps <= 1 or not self.runner.decodes_in_steps:
             return 1
         for seq in batch.seqs:
-            if not greedy_on_raw_logits(seq):
+            if not samples_from_raw_logits(seq):
                 return 1
             steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - len(seq))
         return steps

@@ -14,6 +14,7 @@ from qrun.kernels import backend
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_calibration
 from qrun.model import AttentionMetadata, StepLayout
+from qrun.sampler import Draws
 from qrun.scheduler import ScheduledBatch
 from qrun.sequence import Sequence
 
@@ -33,6 +34,7 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, compile_decode: bool = False):
         self.model = loaded.model
         self.device = loaded.device
+        self.vocab_size = loaded.config.vocab_size
         self.block_size = block_size
         calibrations = key_calibration(self.model, loaded.tokenizer) if cache.quantized else None
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, cache, self.device, calibrations)
@@ -61,14 +63,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, batch: ScheduledBatch) -> list[list[int]]:
-        """Run `batch.steps` greedy decode steps of its sequences (one token each) back to back in
-        the C++ model (`CpuModel.decode`); the tokens, a list per step."""
+        """Run `batch.steps` decode steps of its sequences (one token each) back to back in the C++
+        model (`CpuModel.decode`), which draws their tokens as `sample` would (`Draws`); the
+        tokens, a list per step."""
         self.copy_blocks(batch.block_copies)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         layout = StepLayout.of([(start, start + batch.steps) for start in starts],
                                [seq.block_table for seq in batch.seqs], self.block_size)
         ids = [seq.tokens_between(start, start + 1)[0] for seq, start in zip(batch.seqs, starts)]
-        return self.cpu_model.decode(ids, starts, layout, batch.steps)
+        draws = Draws(batch.seqs, batch.steps, self.vocab_size, self.device)
+        decoded = self.cpu_model.decode(ids, starts, layout, batch.steps, draws.arguments)
+        draws.rewind(len(decoded))
+        return decoded
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:

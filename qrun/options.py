@@ -116,7 +116,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="do not reuse the KV blocks of shared prompt prefixes")
     group.add_argument("--max-model-len", type=int, help="cap the context length (tokens)")
     group.add_argument("--num-scheduler-steps", type=int,
-                       help="greedy decode steps the CPU model runs back to back before the engine's bookkeeping "
+                       help="decode steps the CPU model runs back to back before the engine's bookkeeping "
                             "(default 16, fewer where they would take over 50 ms; 1: after every token)")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="run every step in eager mode: no torch.compile of CPU decode steps")

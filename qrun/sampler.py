@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from qrun.kernels import ops_for
+from qrun.kernels.draw import at_infinity
 from qrun.sequence import Sequence
 from qrun.structured_outputs import apply_bitmask
 
@@ -36,68 +37,58 @@ def suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_i
             logits[row, stops] = float("-inf")
 
 
-def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """`probs` [B, V] (rows of a softmax) with every token outside its row's top-k, nucleus (top-p,
-    within the top-k renormalized) and min-p sets zeroed; the likeliest token always stays. top_k
-    is capped at V (V: no limit). A new tensor."""
-    vocab = probs.shape[1]
-    keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    limited = (top_k < vocab) | (top_p < 1)
-    if bool(limited.any()):
-        keep &= _top_k_and_nucleus(probs, top_k, top_p, limited) | ~limited[:, None]
-    return probs * keep
+def draw_params(seqs: list[Sequence], vocab: int) -> tuple[list[float], list[int], list[float], list[float]]:
+    """Each sequence's arguments of the draw kernels (`kernels/draw.py`): its temperature (0 where
+    it is greedy), top_k (capped at the vocabulary, which means no limit: a larger one means the
+    same and may not fit an int64), top_p and min_p."""
+    params = [seq.params for seq in seqs]
+    return ([p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0 for p in params],
+            [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
 
 
-def _top_k_and_nucleus(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       limited: torch.Tensor) -> torch.Tensor:
-    """Which tokens of the `limited` rows of `probs` [B, V] top-k and top-p keep: a token stays
-    while fewer than top_k come before it and the mass before it, over the top-k's, is at most
-    top_p. Sorted are only as many tokens as a row may keep: its top-k, or, without one, the tokens
-    above (1 - top_p) / V of its mass (below that a token and all less likely ones hold less than
-    1 - top_p, so more than top_p comes before it). A sort of a 49,152-token row took 2.8 ms on a
-    2-core Xeon."""
-    vocab = probs.shape[1]
-    total = probs.sum(dim=-1)
-    floor = (1 - top_p) * total / vocab * (1 - 1e-6)
-    candidates = torch.where(top_k < vocab, top_k, (probs > floor[:, None]).sum(dim=-1))
-    # at least one: a row of NaN (every logit -inf) has no candidate
-    values, ids = probs.topk(max(1, int(torch.where(limited, candidates, 1).max())), dim=-1)
-    count = values.shape[1]
-    cumulative = values.cumsum(dim=-1)
-    top_k_mass = cumulative.gather(1, (top_k.clamp(max=count) - 1)[:, None]).squeeze(1)
-    norm = torch.where(top_k < vocab, top_k_mass, total)
-    ranks = torch.arange(count, device=probs.device)
-    kept = (ranks[None, :] < top_k[:, None]) & (cumulative - values <= top_p[:, None] * norm[:, None])
-    kept[:, 0] = True
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ids, kept)
+def uniforms(seqs: list[Sequence], steps: int, device: torch.device) -> torch.Tensor:
+    """float64 [steps, B]: each sequence's uniform for each of `steps` draws, one a step, by inverse
+    CDF (an exponential race drew one a token: 0.85 ms a row of 49,152 on a 2-core Xeon). A seeded
+    sequence draws from its own generator, so its tokens do not depend on the rest of the batch,
+    and `steps` drawn at once are the ones `steps` single draws give."""
+    drawn = torch.rand(steps, len(seqs), dtype=torch.float64, device=device)
+    for row, seq in enumerate(seqs):
+        if seq.generator is not None:
+            drawn[:, row] = torch.rand(steps, dtype=torch.float64, device=device, generator=seq.generator)
+    return drawn
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token a row of `probs` [B, V] (non-negative, not necessarily summing to 1), drawn in
-    proportion to them by `uniforms` [B] in [0, 1): the first token whose cumulative mass exceeds
-    that share of the row's. float64 sums, so each token's share is its own to ~1e-16. -1 for a
-    row whose mass is not a positive finite number (NaN probabilities: a row of logits all -inf)."""
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1]
-    tokens = torch.searchsorted(cdf, (uniforms.to(torch.float64) * total)[:, None], right=True).squeeze(1)
-    return torch.where(torch.isfinite(total) & (total > 0), tokens, -1)
+class Draws:
+    """How a run of decode steps draws its sequences' tokens itself (the C++ model's decode, which
+    takes `arguments`): each sequence's draw arguments (`draw_params`) and its uniforms of every
+    step, drawn up front as the steps' `sample` calls would draw them."""
+
+    def __init__(self, seqs: list[Sequence], steps: int, vocab: int, device: torch.device):
+        temperature, top_k, top_p, min_p = draw_params(seqs, vocab)
+        sampled = any(temperature)
+        self._steps = steps
+        self._states = [(seq.generator, seq.generator.get_state())
+                        for seq in seqs if sampled and seq.generator is not None]
+        drawn = uniforms(seqs, steps, device) if sampled else torch.empty(0, len(seqs), dtype=torch.float64)
+        # temperature (0: greedy), top_k, top_p, min_p a sequence; uniforms [steps, B] ([0, B] where all are greedy)
+        self.arguments = (temperature, top_k, top_p, min_p, drawn)
+
+    def rewind(self, steps_run: int) -> None:
+        """For a run that ended after `steps_run` of its steps (a sequence's logits not finite): the
+        seeded sequences' generators as that many steps of `sample` leave them."""
+        if steps_run == self._steps:
+            return
+        for generator, state in self._states:
+            generator.set_state(state)
+            torch.rand(steps_run, dtype=torch.float64, device=generator.device, generator=generator)
 
 
-def at_infinity(logits: torch.Tensor) -> torch.Tensor:
-    """`logits` with each row that reaches +inf (a repetition penalty near 0 divides a seen token's
-    positive logit to infinity) replaced by its limit, 0 at the infinite ones and -inf elsewhere: a
-    softmax then gives what it tends to, equal shares of the infinite ones, not NaN."""
-    if not torch.isposinf(logits.amax()):  # one pass where no row does
-        return logits
-    infinite = torch.isposinf(logits)
-    return torch.where(infinite.any(dim=-1, keepdim=True), torch.where(infinite, 0.0, float("-inf")), logits)
-
-
-def greedy_on_raw_logits(seq: Sequence) -> bool:
-    """Whether `seq`'s next token is its logits' first maximum as the model gives them, and all it
-    needs of them: greedy, no logprobs, nothing rewriting the logits (the C++ model may then decode
-    its tokens back to back: ModelRunner.decode)."""
-    return seq.params.temperature < MIN_TEMPERATURE and seq.params.logprobs is None and not _rewrites_logits(seq)
+def samples_from_raw_logits(seq: Sequence) -> bool:
+    """Whether `seq`'s next token comes from its logits as the model gives them, and that is all it
+    needs of them: no logprobs, nothing rewriting the logits (the C++ model may then decode its
+    tokens back to back, drawing them itself: ModelRunner.decode)."""
+    return seq.params.logprobs is None and not _rewrites_logits(seq)
 
 
 def _rewrites_logits(seq: Sequence) -> bool:
@@ -129,28 +120,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     if token_bitmask is not None:
         apply_bitmask(logits, token_bitmask, [row for row, seq in enumerate(seqs) if seq.matcher is not None])
     device = logits.device
-    first_max_of = ops_for(device).first_max  # the kernel table's argmax
-    tokens = first_max_of(logits)
+    tokens = ops_for(device).first_max(logits)
     if not all(greedy):
-        temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device)
-        probs = at_infinity(logits / temperature[:, None]).softmax(dim=-1)
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            vocab = logits.shape[1]
-            probs = truncate(
-                probs,
-                # Capped at the vocabulary: a larger top_k means the same and may not fit an int64.
-                torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
-                torch.tensor([p.top_p for p in params], device=device),
-                torch.tensor([p.min_p for p in params], device=device),
-            )
-        # One uniform a row, by inverse CDF (an exponential race drew one a token: 0.85 ms a row of 49,152
-        # on a 2-core Xeon). A seeded row draws from its own generator, so its tokens do not depend on the
-        # rest of the batch.
-        uniforms = torch.rand(len(seqs), dtype=torch.float64, device=device)
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=seq.generator)
-        sampled = inverse_cdf(probs, uniforms)
+        temperature, top_k, top_p, min_p = draw_params(seqs, logits.shape[1])
+        sampled = ops_for(device).draw(
+            logits, torch.tensor(temperature, device=device).clamp(min=MIN_TEMPERATURE),
+            torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
+            torch.tensor(min_p, device=device), uniforms(seqs, 1, device)[0])
         # greedy rows, and rows with no distribution to draw from: their logits' first maximum
         tokens = torch.where(torch.tensor(greedy, device=device) | (sampled < 0), tokens, sampled)
     token_list = tokens.tolist()

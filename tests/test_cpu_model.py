@@ -16,6 +16,7 @@ from qrun.cpu_model import CpuModel
 from qrun.cpu_linear import GEMV_ROW_LIMITS, GEMV_ROWS, bfloat16_only, gemv_linears
 from qrun.kernels import cpu_library, cpu_quant_matmul
 from qrun.kernels.argmax import first_max_ref
+from qrun.kernels.cpu_draw import draw_cpu
 from qrun.kernels.read_streams import READ_STREAMS
 from qrun.model import AttentionMetadata, StepLayout
 from qrun.quant import vnni_matmuls
@@ -230,26 +231,39 @@ def test_cpu_model_gives_each_rows_greedy_token_and_minus_one_where_its_logits_a
     assert first_max == [first_max_ref(logits[:1]).item(), -1, first_max_ref(logits[2:]).item()]
 
 
+@pytest.mark.parametrize("drawn", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own_greedy_tokens(
-        tiny_llama64_dir, dtype, batch):
+def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own_tokens(
+        tiny_llama64_dir, dtype, batch, drawn):
+    """Greedy tokens, or (drawn) tokens drawn as the sampler's draw draws them from each step's logits, beside a
+    greedy row."""
     runner = engine(tiny_llama64_dir, dtype=dtype).engine.runner
     steps, block_size = 6, runner.block_size
     starts = [5 + 13 * s for s in range(batch)]  # crossing a block boundary within the run
     tables = [[1 + 4 * s + i for i in range(4)] for s in range(batch)]
     first_ids = [11 * (s + 1) for s in range(batch)]
+    draws = None
+    if drawn:
+        uniforms = torch.rand(steps, batch, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        draws = ([1.3, 0.0, 0.7][:batch], [256, 256, 20][:batch], [1.0, 1.0, 0.9][:batch], [0.0, 0.0, 0.05][:batch],
+                 uniforms)
     random_cache(runner.kv_cache, torch.Generator().manual_seed(batch))
     one_at_a_time, ids = [], first_ids
     with torch.inference_mode():
         for step in range(steps):
             layout = StepLayout.of([(p + step, p + step + 1) for p in starts], tables, block_size)
-            ids = runner.cpu_model.step(ids, [p + step for p in starts], layout)[1]
+            logits, ids = runner.cpu_model.step(ids, [p + step for p in starts], layout)
+            if drawn:
+                temperature, top_k, top_p, min_p, uniforms = draws
+                tokens = draw_cpu(logits, torch.tensor(temperature).clamp(min=1e-5), torch.tensor(top_k),
+                                  torch.tensor(top_p), torch.tensor(min_p), uniforms[step])
+                ids = [token if t > 0 else first for token, t, first in zip(tokens.tolist(), temperature, ids)]
             one_at_a_time.append(ids)
         stepped_cache = [t.clone() for t in runner.kv_cache.tensors()]
         random_cache(runner.kv_cache, torch.Generator().manual_seed(batch))
         layout = StepLayout.of([(p, p + steps) for p in starts], tables, block_size)
-        decoded = runner.cpu_model.decode(first_ids, starts, layout, steps)
+        decoded = runner.cpu_model.decode(first_ids, starts, layout, steps, draws)
     assert decoded == one_at_a_time
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.tensors(), stepped_cache))
 
@@ -266,14 +280,18 @@ def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(ti
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
-def test_runs_of_decode_steps_give_the_outputs_of_single_steps(tiny_llama64_dir, kv_cache_dtype):
+def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_and_sampled(tiny_llama64_dir,
+                                                                                   kv_cache_dtype):
     single = engine(tiny_llama64_dir, num_scheduler_steps=1, kv_cache_dtype=kv_cache_dtype)
     runs = engine(tiny_llama64_dir, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (9,), generator=g)]
-    # lengths, stop tokens, stop strings and EOS end sequences inside runs
-    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=i % 2 == 0,
-                             stop_token_ids=[int(m) % 256] if i % 3 == 0 else None, stop=["e"] if i % 4 == 1 else None)
+    # lengths, stop tokens, stop strings and EOS end sequences inside runs; sampled rows (seeded, so that both
+    # engines draw the same) beside greedy ones
+    sampled = [dict(temperature=0), dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, seed=2),
+               dict(temperature=1.2, top_k=12, min_p=0.05, seed=3)]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=i % 2 == 0, stop_token_ids=[int(m) % 256] if i % 3 == 0
+                             else None, stop=["e"] if i % 4 == 1 else None, **sampled[i % len(sampled)])
               for i, m in enumerate(torch.randint(2, 60, (9,), generator=g))]
     calls = []
     decode = runs.engine.runner.decode

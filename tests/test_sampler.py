@@ -12,7 +12,9 @@ from qrun import kernels
 from qrun.kernels import cpu_library
 from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cpu_argmax import first_max_cpu
-from qrun.sampler import inverse_cdf, sample, truncate
+from qrun.kernels.cpu_draw import draw_cpu
+from qrun.kernels.draw import at_infinity, draw_ref, inverse_cdf, truncate
+from qrun.sampler import Draws, sample
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import Sequence
 
@@ -102,6 +104,66 @@ def test_truncation_keeps_each_rows_top_k_nucleus_and_min_p_sets_as_a_full_sort_
                                         1.0)[:, None] - top_p[:, None]).abs() < 1e-5
     assert torch.equal(kept | borderline, expected | borderline)
     assert kept.any(dim=-1).all() and torch.equal(truncate(probs, top_k, top_p, min_p)[kept], probs[kept])
+
+
+@needs_library
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(1, 2000), spread=st.floats(0.1, 8.0), seed=st.integers(0, 2**16),
+       holes=st.integers(0, 5),
+       limits=st.lists(st.tuples(st.floats(0.05, 2.0), st.integers(0, 2100), st.floats(0.05, 1.0),
+                                 st.sampled_from([0.0, 0.0, 0.01, 0.2])), min_size=3, max_size=3))
+def test_the_cpu_draw_gives_the_references_token_for_every_uniform(rows, vocab, spread, seed, holes, limits):
+    """Each row drawn at 65 uniforms across [0, 1): the tokens may differ only where a uniform sits at a boundary of
+    the reference's cumulative distribution, or where a token's place in the top-p or min-p set is borderline (the
+    two sum and exponentiate differently)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * spread
+    holes_at = torch.randint(0, rows, (holes,), generator=gen), torch.randint(0, vocab, (holes,), generator=gen)
+    logits[holes_at] = -math.inf
+    temperature = torch.tensor([t for t, _, _, _ in limits[:rows]])
+    top_k = torch.tensor([min(k, vocab) if k > 0 else vocab for _, k, _, _ in limits[:rows]])
+    top_p = torch.tensor([p for _, _, p, _ in limits[:rows]])
+    min_p = torch.tensor([m for _, _, _, m in limits[:rows]])
+    grid = 65
+    uniforms = torch.linspace(0, 1 - 2**-53, grid, dtype=torch.float64).repeat(rows)
+    args = [t.repeat_interleave(grid, dim=0) for t in (logits, temperature, top_k, top_p, min_p)] + [uniforms]
+    expected, drawn = draw_ref(*args), draw_cpu(*args)
+    probs = at_infinity(logits / temperature[:, None]).softmax(dim=-1)
+    kept = truncate(probs, top_k, top_p, min_p).double()
+    cdf = (kept.cumsum(dim=-1) / kept.sum(dim=-1, keepdim=True)).repeat_interleave(grid, dim=0)
+    values, order = probs.double().sort(dim=-1, descending=True)
+    in_top_k = torch.arange(vocab)[None, :] < top_k[:, None]
+    within = values * in_top_k
+    before = (within.cumsum(dim=-1) - within) / within.sum(dim=-1, keepdim=True)
+    borderline = (((before - top_p[:, None]).abs() < 1e-4) & in_top_k).any(dim=-1)
+    borderline |= ((values / values[:, :1] - min_p[:, None]).abs() < 1e-4).any(dim=-1)
+    for i in torch.nonzero(expected != drawn).flatten().tolist():
+        low, high = sorted((int(expected[i]), int(drawn[i])))
+        at_boundary = (cdf[i, low:high] - uniforms[i]).abs().min() < 1e-5 if low >= 0 else False
+        assert at_boundary or borderline[i // grid], (i, int(expected[i]), int(drawn[i]))
+    assert torch.equal(drawn < 0, expected < 0) and (drawn < vocab).all()  # -1: a row of every logit -inf
+
+
+@needs_library
+def test_the_cpu_draw_takes_the_limit_of_infinite_rows_and_gives_minus_one_without_mass():
+    logits = torch.tensor([[1.0, math.inf, 0.0, math.inf], [-math.inf] * 4, [0.0, math.nan, 1.0, 2.0],
+                           [0.5, 3.0, 3.5, -1.0]])
+    uniforms = torch.tensor([0.49, 0.5, 0.5, 0.0], dtype=torch.float64)
+    args = (torch.ones(4), torch.tensor([4, 4, 4, 1]), torch.ones(4), torch.zeros(4), uniforms)
+    assert draw_cpu(logits, *args).tolist() == draw_ref(logits, *args).tolist() == [1, -1, -1, 2]
+    assert draw_cpu(logits[:1], *(a[:1] for a in args[:4]), torch.tensor([0.5], dtype=torch.float64)).item() == 3
+    assert kernels.ops_for(torch.device("cpu")).draw is draw_cpu  # what the sampler takes here
+
+
+def test_draws_of_a_run_that_ends_early_leave_seeded_generators_as_the_steps_run_would():
+    seqs = [Sequence(i, "r", 0, [1], SamplingParams(temperature=0.8, seed=i), detokenizer=None, arrival_time=0.0,
+                     generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    draws = Draws(seqs, 5, vocab=8, device=torch.device("cpu"))
+    temperature, top_k, top_p, min_p, uniforms = draws.arguments
+    assert uniforms.shape == (5, 2) and top_k == [8, 8] and temperature == [0.8, 0.8]
+    draws.rewind(2)
+    for i, seq in enumerate(seqs):
+        assert torch.rand((), dtype=torch.float64, generator=seq.generator) == uniforms[2, i]
 
 
 def test_inverse_cdf_draws_tokens_in_proportion_to_their_mass_and_never_a_massless_one():

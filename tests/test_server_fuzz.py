@@ -67,5 +67,6 @@ def test_server_serves_normally_after_the_fuzzing(fuzzed_url):
     # Runs after the fuzzing test in this module: nothing it sent may leave the engine stuck.
     wait_idle(fuzzed_url, timeout=60)
     assert request(fuzzed_url, "/health")[0] == 200
-    status, _, reply = request(fuzzed_url, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    # ignore_eos: sampled at the default temperature, the tiny model's EOS ends ~1% of such requests early
+    status, _, reply = request(fuzzed_url, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
