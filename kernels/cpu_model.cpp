@@ -628,16 +628,16 @@ class StepModel : public torch::CustomClassHolder {
                                 tables, tensor_of(lengths, {rows}, at::kInt), starts, false};
             at::Tensor logits;
             std::tie(logits, step_ids) = sampled_step(step_ids, meta, true, sample_rows);
-            const bool finite = std::find(step_ids.begin(), step_ids.end(), -1) == step_ids.end();
-            if (draws && finite) {
+            // drawn beside a row whose logits are not finite too, as the engine samples the others of such a step
+            if (draws) {
                 qrun_draw(logits.data_ptr<float>(), logits.size(1), rows, logits.size(1), draw_temperature.data(),
                           top_k.data(), draw_top_p.data(), draw_min_p.data(), uniforms.data_ptr<double>() + s * rows,
                           drawn.data(), at::get_num_threads());
                 for (int64_t r = 0; r < rows; r++)
-                    if (temperature[r] > 0 && drawn[r] >= 0) step_ids[r] = drawn[r];
+                    if (temperature[r] > 0 && step_ids[r] >= 0 && drawn[r] >= 0) step_ids[r] = drawn[r];
             }
             tokens.insert(tokens.end(), step_ids.begin(), step_ids.end());
-            if (!finite) break;
+            if (std::find(step_ids.begin(), step_ids.end(), -1) != step_ids.end()) break;
             for (int64_t& position : step_positions) position++;
         }
         return tokens;

@@ -269,13 +269,19 @@ def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own
 
 
 def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(tiny_llama64_dir):
+    """Greedy rows, and sampled ones, which draw their token of that step as the engine's sampler would."""
     runner = engine(tiny_llama64_dir).engine.runner
     layout = StepLayout.of([(0, 4)] * 3, [[1], [2], [3]], runner.block_size)
+    uniforms = torch.tensor([[0.3, 0.6, 0.9]] * 4, dtype=torch.float64)
+    draws = ([0.8, 0.8, 0.0], [256] * 3, [0.9] * 3, [0.0] * 3, uniforms)
     with torch.inference_mode():
         runner.model.embed_tokens.weight[6] = float("nan")  # the middle row's first token
-        _, first = runner.cpu_model.step([5, 6, 7], [0, 0, 0], StepLayout.of([(0, 1)] * 3, [[1], [2], [3]],
-                                                                               runner.block_size))
+        logits, first = runner.cpu_model.step([5, 6, 7], [0, 0, 0], StepLayout.of([(0, 1)] * 3, [[1], [2], [3]],
+                                                                                    runner.block_size))
         assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4) == [first]
+        drawn = draw_cpu(logits[:1], torch.tensor([0.8]), torch.tensor([256]), torch.tensor([0.9]), torch.zeros(1),
+                         uniforms[0, :1]).item()
+        assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4, draws) == [[drawn, -1, first[2]]]
     assert first[1] == -1 and -1 not in (first[0], first[2])
 
 
