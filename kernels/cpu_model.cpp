@@ -27,6 +27,8 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -513,6 +515,46 @@ class StepLayer : public torch::CustomClassHolder {
     Linear linears_[4];
 };
 
+// A sequence's penalties as qrun/sampler.py's apply_penalties applies them, kept up to date over a run of decode
+// steps: the repetition penalty over its prompt's and output's tokens (as transformers applies it), presence and
+// frequency penalties over its output's (as OpenAI defines them), in float32 as torch computes them.
+class Penalties {
+  public:
+    Penalties(double repetition, double presence, double frequency, const std::vector<int64_t>& token_ids,
+              int64_t prompt_len, int64_t vocab)
+        : repetition_(repetition), presence_(presence), frequency_(frequency) {
+        if (!any()) return;
+        for (size_t i = 0; i < token_ids.size(); i++) {
+            TORCH_CHECK(token_ids[i] >= 0 && token_ids[i] < vocab, "StepModel.decode: token id ", token_ids[i],
+                        " is outside the ", vocab, " logits");
+            add(token_ids[i], int64_t(i) >= prompt_len);
+        }
+    }
+
+    bool any() const { return repetition_ != 1.0 || presence_ != 0.0 || frequency_ != 0.0; }
+
+    void apply(float* logits) const {
+        const float repetition = float(repetition_);
+        for (const int64_t token : seen_)
+            logits[token] = logits[token] > 0 ? logits[token] / repetition : logits[token] * repetition;
+        for (const auto& [token, count] : counts_)
+            logits[token] -= float(frequency_) * float(count) + float(presence_);
+    }
+
+    // `token` joins the sequence (-1: none; output: past its prompt).
+    void add(int64_t token, bool output = true) {
+        if (token < 0) return;
+        if (repetition_ != 1.0 && seen_set_.insert(token).second) seen_.push_back(token);
+        if (output && (presence_ != 0.0 || frequency_ != 0.0)) counts_[token]++;
+    }
+
+  private:
+    double repetition_, presence_, frequency_;
+    std::vector<int64_t> seen_;  // distinct, in the order they came
+    std::unordered_set<int64_t> seen_set_;
+    std::unordered_map<int64_t, int64_t> counts_;  // output tokens
+};
+
 // The model's step in one call: the embedding, every decoder layer in order, the final norm and the head. A
 // call from Python costs ~25 us, and each torch op around the layers as much again (the embedding, the norm and the
 // head's module chain: ~0.15 ms of a ~4.5 ms 4.0-bpw SmolLM2 step at batch 1). It keeps the layers' workspace, so one
@@ -585,23 +627,32 @@ class StepModel : public torch::CustomClassHolder {
     // where the model has one), without the engine's bookkeeping between them (~0.2 ms a token at one row of a
     // 4.0-bpw SmolLM2 on a 2-core Xeon, most of it cache misses after the step's weights streamed past). positions:
     // the first step's, one more each step after (a row's context: its position + 1); slot_mapping: each row's slots
-    // of its steps in turn (rows x steps, as qrun/model.py's StepLayout.of lists them). A row's token is its logits'
-    // first maximum where its temperature is 0, else drawn as kernels/cpu_draw.cpp draws (its top_k, top_p, min_p,
-    // and its uniform of the step: uniforms float64 [steps, rows]; [0, rows] where no row draws). The tokens, step by
-    // step (steps x rows); a step in which a row's logits are not finite is the last (that row's token -1).
+    // of its steps in turn (rows x steps, as qrun/model.py's StepLayout.of lists them). A row's logits take its
+    // penalties (`Penalties`: token_ids its tokens so far, the first prompt_lens of them its prompt's; empty where it
+    // has none); its token is then their first maximum where its temperature is 0, else drawn as kernels/cpu_draw.cpp
+    // draws (its top_k, top_p, min_p, and its uniform of the step: uniforms float64 [steps, rows]; [0, rows] where no
+    // row draws). The tokens, step by step (steps x rows); a step in which a row's logits are not finite (before
+    // penalties, as the engine checks them) is the last (that row's token -1).
     std::vector<int64_t> decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
                                 const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
                                 int64_t table_width, int64_t steps, const std::vector<double>& temperature,
                                 const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
-                                const std::vector<double>& min_p, const at::Tensor& uniforms) {
+                                const std::vector<double>& min_p, const at::Tensor& uniforms,
+                                const std::vector<double>& repetition_penalty,
+                                const std::vector<double>& presence_penalty,
+                                const std::vector<double>& frequency_penalty,
+                                const std::vector<std::vector<int64_t>>& token_ids,
+                                const std::vector<int64_t>& prompt_lens) {
         const int64_t rows = ids.size();
         TORCH_CHECK(rows > 0 && steps > 0 && int64_t(positions.size()) == rows &&
                         int64_t(slot_mapping.size()) == rows * steps && table_width > 0 &&
                         int64_t(block_tables.size()) == rows * table_width && int64_t(temperature.size()) == rows &&
                         int64_t(top_k.size()) == rows && int64_t(top_p.size()) == rows &&
-                        int64_t(min_p.size()) == rows,
-                    "StepModel.decode: ids, positions, temperature, top_k, top_p and min_p need one value a row, "
-                    "slot_mapping steps a row, block_tables table_width a row");
+                        int64_t(min_p.size()) == rows && int64_t(repetition_penalty.size()) == rows &&
+                        int64_t(presence_penalty.size()) == rows && int64_t(frequency_penalty.size()) == rows &&
+                        int64_t(token_ids.size()) == rows && int64_t(prompt_lens.size()) == rows,
+                    "StepModel.decode: ids, positions, the sampling arguments, token_ids and prompt_lens need one "
+                    "value a row, slot_mapping steps a row, block_tables table_width a row");
         const bool draws = std::any_of(temperature.begin(), temperature.end(), [](double t) { return t > 0; });
         TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.dim() == 2 &&
                         uniforms.size(0) == (draws ? steps : 0) && uniforms.size(1) == rows,
@@ -612,6 +663,11 @@ class StepModel : public torch::CustomClassHolder {
             draw_min_p(min_p.begin(), min_p.end());
         std::transform(temperature.begin(), temperature.end(), draw_temperature.begin(),
                        [](double t) { return t > 0 ? float(t) : 1.f; });
+        std::vector<Penalties> penalties;
+        penalties.reserve(rows);
+        for (int64_t r = 0; r < rows; r++)
+            penalties.emplace_back(repetition_penalty[r], presence_penalty[r], frequency_penalty[r], token_ids[r],
+                                   prompt_lens[r], head_.out_features);
         std::vector<int64_t> sample_rows(rows), query_start_loc(rows + 1), drawn(rows);
         std::iota(sample_rows.begin(), sample_rows.end(), 0);
         std::iota(query_start_loc.begin(), query_start_loc.end(), 0);
@@ -628,6 +684,12 @@ class StepModel : public torch::CustomClassHolder {
                                 tables, tensor_of(lengths, {rows}, at::kInt), starts, false};
             at::Tensor logits;
             std::tie(logits, step_ids) = sampled_step(step_ids, meta, true, sample_rows);
+            for (int64_t r = 0; r < rows; r++)  // a greedy row's token: its penalised logits' first maximum
+                if (penalties[r].any() && step_ids[r] >= 0) {
+                    float* row = logits.data_ptr<float>() + r * logits.size(1);
+                    penalties[r].apply(row);
+                    qrun_first_max(row, logits.size(1), 1, logits.size(1), &step_ids[r], 1);
+                }
             // drawn beside a row whose logits are not finite too, as the engine samples the others of such a step
             if (draws) {
                 qrun_draw(logits.data_ptr<float>(), logits.size(1), rows, logits.size(1), draw_temperature.data(),
@@ -638,6 +700,7 @@ class StepModel : public torch::CustomClassHolder {
             }
             tokens.insert(tokens.end(), step_ids.begin(), step_ids.end());
             if (std::find(step_ids.begin(), step_ids.end(), -1) != step_ids.end()) break;
+            for (int64_t r = 0; r < rows; r++) penalties[r].add(step_ids[r]);
             for (int64_t& position : step_positions) position++;
         }
         return tokens;

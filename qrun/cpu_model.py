@@ -37,6 +37,7 @@ from qrun.kernels.read_streams import READ_STREAMS, Choice, fastest_choice, fast
 from qrun.kv_cache import KVCache, LayerKV
 from qrun.model import DecoderLayer, StepLayout, Transformer
 from qrun.quant import CpuQuantMatmul, InputRotation, QuantLinear, measure_read_streams, vnni_matmuls
+from qrun.sampler import RunSampling
 
 # Linear kinds of cpu_model.cpp
 QUANT, DENSE, HALF_GEMV, HALF_GEMV_PACKED, DEQUANTIZED = range(5)
@@ -144,19 +145,17 @@ class CpuModel:
                                        layout.table_width, layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
     def decode(self, ids: list[int], positions: list[int], layout: StepLayout, steps: int,
-               draws: tuple | None = None) -> list[list[int]]:
+               sampling: tuple | None = None) -> list[list[int]]:
         """Tokens of `steps` decode steps run back to back, each step's tokens the next one's ids: `ids`
         one token of each sequence at `positions`, `layout` covering the positions of every step
-        (`StepLayout.of` with spans `(p, p + steps)`). `draws`: `sampler.Draws.arguments`, each
-        row's draw arguments and its uniforms of the steps; a row's token is its logits' first
-        maximum where they give it temperature 0 (None: every row's), else drawn as
+        (`StepLayout.of` with spans `(p, p + steps)`). `sampling`: `sampler.RunSampling.arguments`
+        (None: every row greedy, without penalties); a row's logits take its penalties, then its
+        token is their first maximum where its temperature is 0, else drawn as
         `kernels/cpu_draw.py` draws. A list per step, a token per sequence; a step in which a
         sequence's logits are not finite is the last (its token -1)."""
         rows = len(ids)
-        if draws is None:
-            draws = ([0.0] * rows, [1] * rows, [1.0] * rows, [0.0] * rows, torch.empty(0, rows, dtype=torch.float64))
         tokens = self.step_model.decode(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
-                                        steps, *draws)
+                                        steps, *(sampling or RunSampling.greedy_arguments(rows)))
         return [tokens[i:i + rows] for i in range(0, len(tokens), rows)]
 
 

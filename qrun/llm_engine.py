@@ -21,7 +21,7 @@ from qrun.loader import load_model
 from qrun.kv_cache import KVCacheSpec
 from qrun.memory_plan import kv_blocks
 from qrun.model_runner import ModelRunner
-from qrun.sampler import sample, samples_from_raw_logits
+from qrun.sampler import sample, samples_in_runs
 from qrun.sampling_params import SamplingParams
 from qrun.scheduler import ScheduledBatch, Scheduler
 from qrun.sequence import RequestMetrics, RequestOutput, Sequence
@@ -361,16 +361,16 @@ class LLMEngine:
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many decode steps `batch` may run back to back (the scheduler then checks it can): as
         many as take MAX_DECODE_RUN_S at the last decode step's speed, none past a sequence's
-        max_tokens or the model's length, and one where the C++ model does not cover the model or a
-        sequence's sampling needs more than its logits as the model gives them (logprobs,
-        penalties, held-back stop tokens, a grammar: `samples_from_raw_logits`)."""
+        max_tokens or the model's length, and one where the C++ model does not cover the model or
+        cannot pick a sequence's tokens itself (logprobs, held-back stop tokens, a grammar:
+        `samples_in_runs`)."""
         steps = self.config.num_scheduler_steps
         if self._decode_step_s:
             steps = min(steps, int(MAX_DECODE_RUN_S / self._decode_step_s))
         if steps <= 1 or not self.runner.decodes_in_steps:
             return 1
         for seq in batch.seqs:
-            if not samples_from_raw_logits(seq):
+            if not samples_in_runs(seq):
                 return 1
             steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - len(seq))
         return steps

@@ -14,7 +14,7 @@ from qrun.kernels import backend
 from qrun.loader import LoadedModel
 from qrun.kv_cache import KVCache, KVCacheSpec, key_calibration
 from qrun.model import AttentionMetadata, StepLayout
-from qrun.sampler import Draws
+from qrun.sampler import RunSampling
 from qrun.scheduler import ScheduledBatch
 from qrun.sequence import Sequence
 
@@ -64,16 +64,16 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, batch: ScheduledBatch) -> list[list[int]]:
         """Run `batch.steps` decode steps of its sequences (one token each) back to back in the C++
-        model (`CpuModel.decode`), which draws their tokens as `sample` would (`Draws`); the
+        model (`CpuModel.decode`), which picks their tokens as `sample` would (`RunSampling`); the
         tokens, a list per step."""
         self.copy_blocks(batch.block_copies)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         layout = StepLayout.of([(start, start + batch.steps) for start in starts],
                                [seq.block_table for seq in batch.seqs], self.block_size)
         ids = [seq.tokens_between(start, start + 1)[0] for seq, start in zip(batch.seqs, starts)]
-        draws = Draws(batch.seqs, batch.steps, self.vocab_size, self.device)
-        decoded = self.cpu_model.decode(ids, starts, layout, batch.steps, draws.arguments)
-        draws.rewind(len(decoded))
+        sampling = RunSampling(batch.seqs, batch.steps, self.vocab_size, self.device)
+        decoded = self.cpu_model.decode(ids, starts, layout, batch.steps, sampling.arguments)
+        sampling.rewind(len(decoded))
         return decoded
 
     @torch.inference_mode()

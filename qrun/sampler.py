@@ -6,6 +6,7 @@ import torch
 
 from qrun.kernels import ops_for
 from qrun.kernels.draw import at_infinity
+from qrun.sampling_params import SamplingParams
 from qrun.sequence import Sequence
 from qrun.structured_outputs import apply_bitmask
 
@@ -59,10 +60,11 @@ def uniforms(seqs: list[Sequence], steps: int, device: torch.device) -> torch.Te
     return drawn
 
 
-class Draws:
-    """How a run of decode steps draws its sequences' tokens itself (the C++ model's decode, which
+class RunSampling:
+    """How a run of decode steps picks its sequences' tokens itself (the C++ model's decode, which
     takes `arguments`): each sequence's draw arguments (`draw_params`) and its uniforms of every
-    step, drawn up front as the steps' `sample` calls would draw them."""
+    step, drawn up front as the steps' `sample` calls would draw them; its penalties, with its
+    tokens where it has any."""
 
     def __init__(self, seqs: list[Sequence], steps: int, vocab: int, device: torch.device):
         temperature, top_k, top_p, min_p = draw_params(seqs, vocab)
@@ -71,8 +73,20 @@ class Draws:
         self._states = [(seq.generator, seq.generator.get_state())
                         for seq in seqs if sampled and seq.generator is not None]
         drawn = uniforms(seqs, steps, device) if sampled else torch.empty(0, len(seqs), dtype=torch.float64)
-        # temperature (0: greedy), top_k, top_p, min_p a sequence; uniforms [steps, B] ([0, B] where all are greedy)
-        self.arguments = (temperature, top_k, top_p, min_p, drawn)
+        params = [seq.params for seq in seqs]
+        penalised = [_penalised(p) for p in params]
+        # temperature (0: greedy), top_k, top_p, min_p a sequence; uniforms [steps, B] ([0, B] where all are
+        # greedy); repetition, presence and frequency penalties; a penalised sequence's tokens and prompt length
+        self.arguments = (temperature, top_k, top_p, min_p, drawn, [p.repetition_penalty for p in params],
+                          [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                          [seq.token_ids if pen else [] for seq, pen in zip(seqs, penalised)],
+                          [len(seq.prompt_token_ids) if pen else 0 for seq, pen in zip(seqs, penalised)])
+
+    @staticmethod
+    def greedy_arguments(rows: int) -> tuple:
+        """`arguments` of `rows` greedy sequences without penalties."""
+        return ([0.0] * rows, [1] * rows, [1.0] * rows, [0.0] * rows, torch.empty(0, rows, dtype=torch.float64),
+                [1.0] * rows, [0.0] * rows, [0.0] * rows, [[] for _ in range(rows)], [0] * rows)
 
     def rewind(self, steps_run: int) -> None:
         """For a run that ended after `steps_run` of its steps (a sequence's logits not finite): the
@@ -84,18 +98,22 @@ class Draws:
             torch.rand(steps_run, dtype=torch.float64, device=generator.device, generator=generator)
 
 
-def samples_from_raw_logits(seq: Sequence) -> bool:
-    """Whether `seq`'s next token comes from its logits as the model gives them, and that is all it
-    needs of them: no logprobs, nothing rewriting the logits (the C++ model may then decode its
-    tokens back to back, drawing them itself: ModelRunner.decode)."""
-    return seq.params.logprobs is None and not _rewrites_logits(seq)
+def samples_in_runs(seq: Sequence) -> bool:
+    """Whether the C++ model can pick `seq`'s next tokens itself, run after run (ModelRunner.decode):
+    no logprobs, no held-back stop tokens, no grammar; temperature, top-k/p, min-p and penalties
+    it applies as `sample` does."""
+    return (seq.params.logprobs is None and len(seq.output_token_ids) >= seq.params.min_tokens
+            and seq.matcher is None)
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
 def _rewrites_logits(seq: Sequence) -> bool:
     """Whether penalties, held-back stop tokens or a grammar change this row before sampling."""
     p = seq.params
-    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-            or len(seq.output_token_ids) < p.min_tokens or seq.matcher is not None)
+    return _penalised(p) or len(seq.output_token_ids) < p.min_tokens or seq.matcher is not None
 
 
 @torch.inference_mode()

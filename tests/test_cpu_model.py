@@ -20,6 +20,7 @@ from qrun.kernels.cpu_draw import draw_cpu
 from qrun.kernels.read_streams import READ_STREAMS
 from qrun.model import AttentionMetadata, StepLayout
 from qrun.quant import vnni_matmuls
+from qrun.sampler import RunSampling
 from tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the C++ kernels need a C++ compiler")
@@ -247,7 +248,7 @@ def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own
     if drawn:
         uniforms = torch.rand(steps, batch, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
         draws = ([1.3, 0.0, 0.7][:batch], [256, 256, 20][:batch], [1.0, 1.0, 0.9][:batch], [0.0, 0.0, 0.05][:batch],
-                 uniforms)
+                 uniforms) + RunSampling.greedy_arguments(batch)[5:]
     random_cache(runner.kv_cache, torch.Generator().manual_seed(batch))
     one_at_a_time, ids = [], first_ids
     with torch.inference_mode():
@@ -255,7 +256,7 @@ def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own
             layout = StepLayout.of([(p + step, p + step + 1) for p in starts], tables, block_size)
             logits, ids = runner.cpu_model.step(ids, [p + step for p in starts], layout)
             if drawn:
-                temperature, top_k, top_p, min_p, uniforms = draws
+                temperature, top_k, top_p, min_p, uniforms = draws[:5]
                 tokens = draw_cpu(logits, torch.tensor(temperature).clamp(min=1e-5), torch.tensor(top_k),
                                   torch.tensor(top_p), torch.tensor(min_p), uniforms[step])
                 ids = [token if t > 0 else first for token, t, first in zip(tokens.tolist(), temperature, ids)]
@@ -273,7 +274,7 @@ def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(ti
     runner = engine(tiny_llama64_dir).engine.runner
     layout = StepLayout.of([(0, 4)] * 3, [[1], [2], [3]], runner.block_size)
     uniforms = torch.tensor([[0.3, 0.6, 0.9]] * 4, dtype=torch.float64)
-    draws = ([0.8, 0.8, 0.0], [256] * 3, [0.9] * 3, [0.0] * 3, uniforms)
+    draws = ([0.8, 0.8, 0.0], [256] * 3, [0.9] * 3, [0.0] * 3, uniforms) + RunSampling.greedy_arguments(3)[5:]
     with torch.inference_mode():
         runner.model.embed_tokens.weight[6] = float("nan")  # the middle row's first token
         logits, first = runner.cpu_model.step([5, 6, 7], [0, 0, 0], StepLayout.of([(0, 1)] * 3, [[1], [2], [3]],
@@ -295,7 +296,8 @@ def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_and_sample
     # lengths, stop tokens, stop strings and EOS end sequences inside runs; sampled rows (seeded, so that both
     # engines draw the same) beside greedy ones
     sampled = [dict(temperature=0), dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, seed=2),
-               dict(temperature=1.2, top_k=12, min_p=0.05, seed=3)]
+               dict(temperature=1.2, top_k=12, min_p=0.05, seed=3), dict(temperature=0, repetition_penalty=1.3),
+               dict(temperature=0.8, presence_penalty=0.7, frequency_penalty=1.1, repetition_penalty=0.8, seed=4)]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=i % 2 == 0, stop_token_ids=[int(m) % 256] if i % 3 == 0
                              else None, stop=["e"] if i % 4 == 1 else None, **sampled[i % len(sampled)])
               for i, m in enumerate(torch.randint(2, 60, (9,), generator=g))]

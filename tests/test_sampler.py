@@ -14,7 +14,7 @@ from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cpu_argmax import first_max_cpu
 from qrun.kernels.cpu_draw import draw_cpu
 from qrun.kernels.draw import at_infinity, draw_ref, inverse_cdf, truncate
-from qrun.sampler import Draws, sample
+from qrun.sampler import RunSampling, sample
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import Sequence
 
@@ -155,13 +155,13 @@ def test_the_cpu_draw_takes_the_limit_of_infinite_rows_and_gives_minus_one_witho
     assert kernels.ops_for(torch.device("cpu")).draw is draw_cpu  # what the sampler takes here
 
 
-def test_draws_of_a_run_that_ends_early_leave_seeded_generators_as_the_steps_run_would():
+def test_a_runs_sampling_that_ends_early_leaves_seeded_generators_as_the_steps_run_would():
     seqs = [Sequence(i, "r", 0, [1], SamplingParams(temperature=0.8, seed=i), detokenizer=None, arrival_time=0.0,
                      generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    draws = Draws(seqs, 5, vocab=8, device=torch.device("cpu"))
-    temperature, top_k, top_p, min_p, uniforms = draws.arguments
+    sampling = RunSampling(seqs, 5, vocab=8, device=torch.device("cpu"))
+    temperature, top_k, top_p, min_p, uniforms, *_ = sampling.arguments
     assert uniforms.shape == (5, 2) and top_k == [8, 8] and temperature == [0.8, 0.8]
-    draws.rewind(2)
+    sampling.rewind(2)
     for i, seq in enumerate(seqs):
         assert torch.rand((), dtype=torch.float64, generator=seq.generator) == uniforms[2, i]
 
