@@ -102,18 +102,21 @@ def samples_in_runs(seq: Sequence) -> bool:
     """Whether the C++ model can pick `seq`'s next tokens itself, run after run (ModelRunner.decode):
     no logprobs, no held-back stop tokens, no grammar; temperature, top-k/p, min-p and penalties
     it applies as `sample` does."""
-    return (seq.params.logprobs is None and len(seq.output_token_ids) >= seq.params.min_tokens
-            and seq.matcher is None)
+    return seq.params.logprobs is None and not _held_back_or_constrained(seq)
 
 
 def _penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
+def _held_back_or_constrained(seq: Sequence) -> bool:
+    """Whether stop tokens are held back (min_tokens) or a grammar constrains `seq`'s next token."""
+    return len(seq.output_token_ids) < seq.params.min_tokens or seq.matcher is not None
+
+
 def _rewrites_logits(seq: Sequence) -> bool:
     """Whether penalties, held-back stop tokens or a grammar change this row before sampling."""
-    p = seq.params
-    return _penalised(p) or len(seq.output_token_ids) < p.min_tokens or seq.matcher is not None
+    return _penalised(seq.params) or _held_back_or_constrained(seq)
 
 
 @torch.inference_mode()
