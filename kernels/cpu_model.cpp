@@ -632,7 +632,8 @@ class StepModel : public torch::CustomClassHolder {
     // has none); its token is then their first maximum where its temperature is 0, else drawn as kernels/cpu_draw.cpp
     // draws (its top_k, top_p, min_p, and its uniform of the step: uniforms float64 [steps, rows]; [0, rows] where no
     // row draws). The tokens, step by step (steps x rows); a step in which a row's logits are not finite (before
-    // penalties, as the engine checks them) is the last (that row's token -1).
+    // penalties, as the engine checks them: that row's token -1) or a row's token is one of its stop_token_ids (its
+    // sequence ends there: the steps after would be dropped) is the last.
     std::vector<int64_t> decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
                                 const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
                                 int64_t table_width, int64_t steps, const std::vector<double>& temperature,
@@ -642,7 +643,8 @@ class StepModel : public torch::CustomClassHolder {
                                 const std::vector<double>& presence_penalty,
                                 const std::vector<double>& frequency_penalty,
                                 const std::vector<std::vector<int64_t>>& token_ids,
-                                const std::vector<int64_t>& prompt_lens) {
+                                const std::vector<int64_t>& prompt_lens,
+                                const std::vector<std::vector<int64_t>>& stop_token_ids) {
         const int64_t rows = ids.size();
         TORCH_CHECK(rows > 0 && steps > 0 && int64_t(positions.size()) == rows &&
                         int64_t(slot_mapping.size()) == rows * steps && table_width > 0 &&
@@ -650,9 +652,10 @@ class StepModel : public torch::CustomClassHolder {
                         int64_t(top_k.size()) == rows && int64_t(top_p.size()) == rows &&
                         int64_t(min_p.size()) == rows && int64_t(repetition_penalty.size()) == rows &&
                         int64_t(presence_penalty.size()) == rows && int64_t(frequency_penalty.size()) == rows &&
-                        int64_t(token_ids.size()) == rows && int64_t(prompt_lens.size()) == rows,
-                    "StepModel.decode: ids, positions, the sampling arguments, token_ids and prompt_lens need one "
-                    "value a row, slot_mapping steps a row, block_tables table_width a row");
+                        int64_t(token_ids.size()) == rows && int64_t(prompt_lens.size()) == rows &&
+                        int64_t(stop_token_ids.size()) == rows,
+                    "StepModel.decode: ids, positions, the sampling arguments, token_ids, prompt_lens and "
+                    "stop_token_ids need one value a row, slot_mapping steps a row, block_tables table_width a row");
         const bool draws = std::any_of(temperature.begin(), temperature.end(), [](double t) { return t > 0; });
         TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.dim() == 2 &&
                         uniforms.size(0) == (draws ? steps : 0) && uniforms.size(1) == rows,
@@ -699,7 +702,11 @@ class StepModel : public torch::CustomClassHolder {
                     if (temperature[r] > 0 && step_ids[r] >= 0 && drawn[r] >= 0) step_ids[r] = drawn[r];
             }
             tokens.insert(tokens.end(), step_ids.begin(), step_ids.end());
-            if (std::find(step_ids.begin(), step_ids.end(), -1) != step_ids.end()) break;
+            bool last = false;
+            for (int64_t r = 0; r < rows; r++)
+                last |= step_ids[r] == -1 || std::find(stop_token_ids[r].begin(), stop_token_ids[r].end(),
+                                                       step_ids[r]) != stop_token_ids[r].end();
+            if (last) break;
             for (int64_t r = 0; r < rows; r++) penalties[r].add(step_ids[r]);
             for (int64_t& position : step_positions) position++;
         }

@@ -145,17 +145,19 @@ class CpuModel:
                                        layout.table_width, layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
     def decode(self, ids: list[int], positions: list[int], layout: StepLayout, steps: int,
-               sampling: tuple | None = None) -> list[list[int]]:
+               sampling: tuple | None = None, stop_token_ids: list[list[int]] | None = None) -> list[list[int]]:
         """Tokens of `steps` decode steps run back to back, each step's tokens the next one's ids: `ids`
         one token of each sequence at `positions`, `layout` covering the positions of every step
         (`StepLayout.of` with spans `(p, p + steps)`). `sampling`: `sampler.RunSampling.arguments`
         (None: every row greedy, without penalties); a row's logits take its penalties, then its
         token is their first maximum where its temperature is 0, else drawn as
         `kernels/cpu_draw.py` draws. A list per step, a token per sequence; a step in which a
-        sequence's logits are not finite is the last (its token -1)."""
+        sequence's logits are not finite (its token -1) or a sequence's token is one of its
+        `stop_token_ids` (None: none) is the last."""
         rows = len(ids)
         tokens = self.step_model.decode(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
-                                        steps, *(sampling or RunSampling.greedy_arguments(rows)))
+                                        steps, *(sampling or RunSampling.greedy_arguments(rows)),
+                                        stop_token_ids or [[] for _ in range(rows)])
         return [tokens[i:i + rows] for i in range(0, len(tokens), rows)]
 
 

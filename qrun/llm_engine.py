@@ -290,7 +290,7 @@ class LLMEngine:
         start = time.perf_counter()
         try:
             if batch.steps > 1:
-                decoded = self.runner.decode(batch)
+                decoded = self.runner.decode(batch, [self._stop_token_ids(seq) for seq in batch.seqs])
             else:
                 logits, sampling, first_max = self.runner.execute(batch)
         except Exception as err:  # noqa: BLE001 - which request caused it is unknowable: all of the step's fail
@@ -481,7 +481,7 @@ class LLMEngine:
                 reason = "stop"
         produced = len(seq.output_token_ids)
         if reason is None and produced >= params.min_tokens:
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
+            if token in self._stop_token_ids(seq):
                 reason = "stop"
             elif params.stop_strings and self._cut_stop_string(seq, previous_len):
                 reason = "stop"
@@ -490,6 +490,10 @@ class LLMEngine:
         if reason:
             seq.finish(reason)
             self.scheduler.finish(seq)
+
+    def _stop_token_ids(self, seq: Sequence) -> list[int]:
+        """The tokens that end `seq` once its min_tokens are out: EOS (unless ignored) and its stop tokens."""
+        return (self.eos_token_ids if not seq.params.ignore_eos else []) + (seq.params.stop_token_ids or [])
 
     @staticmethod
     def _cut_stop_string(seq: Sequence, previous_len: int) -> bool:

@@ -62,9 +62,10 @@ class ModelRunner:
         return self.cpu_model is not None
 
     @torch.inference_mode()
-    def decode(self, batch: ScheduledBatch) -> list[list[int]]:
+    def decode(self, batch: ScheduledBatch, stop_token_ids: list[list[int]]) -> list[list[int]]:
         """Run `batch.steps` decode steps of its sequences (one token each) back to back in the C++
-        model (`CpuModel.decode`), which picks their tokens as `sample` would (`RunSampling`); the
+        model (`CpuModel.decode`), which picks their tokens as `sample` would (`RunSampling`) and
+        ends the run with the step where a sequence samples one of its `stop_token_ids`; the
         tokens, a list per step."""
         self.copy_blocks(batch.block_copies)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
@@ -72,7 +73,7 @@ class ModelRunner:
                                [seq.block_table for seq in batch.seqs], self.block_size)
         ids = [seq.tokens_between(start, start + 1)[0] for seq, start in zip(batch.seqs, starts)]
         sampling = RunSampling(batch.seqs, batch.steps, self.vocab_size, self.device)
-        decoded = self.cpu_model.decode(ids, starts, layout, batch.steps, sampling.arguments)
+        decoded = self.cpu_model.decode(ids, starts, layout, batch.steps, sampling.arguments, stop_token_ids)
         sampling.rewind(len(decoded))
         return decoded
 

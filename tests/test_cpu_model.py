@@ -286,6 +286,17 @@ def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(ti
     assert first[1] == -1 and -1 not in (first[0], first[2])
 
 
+def test_a_run_of_decode_steps_ends_with_the_step_where_a_row_samples_one_of_its_stop_tokens(tiny_llama64_dir):
+    runner = engine(tiny_llama64_dir).engine.runner
+    layout = StepLayout.of([(0, 6)] * 2, [[1], [2]], runner.block_size)
+    with torch.inference_mode():
+        full = runner.cpu_model.decode([5, 9], [0, 0], layout, 6)
+        stop = full[3][1]
+        ends = next(step for step, tokens in enumerate(full) if tokens[1] == stop)
+        assert runner.cpu_model.decode([5, 9], [0, 0], layout, 6, stop_token_ids=[[], [stop]]) == full[:ends + 1]
+        assert runner.cpu_model.decode([5, 9], [0, 0], layout, 6, stop_token_ids=[[], [-7]]) == full
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
 def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_and_sampled(tiny_llama64_dir,
                                                                                    kv_cache_dtype):
@@ -303,7 +314,7 @@ def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_and_sample
               for i, m in enumerate(torch.randint(2, 60, (9,), generator=g))]
     calls = []
     decode = runs.engine.runner.decode
-    runs.engine.runner.decode = lambda batch: calls.append(batch.steps) or decode(batch)
+    runs.engine.runner.decode = lambda batch, stops: calls.append(batch.steps) or decode(batch, stops)
 
     def outputs(llm: LLM) -> list[tuple]:  # the batch, then its first request alone
         done = llm.generate(prompts, params, progress=False) + llm.generate(prompts[:1], params[:1], progress=False)

@@ -175,8 +175,8 @@ def test_a_non_finite_row_in_a_run_of_decode_steps_fails_only_its_request(tiny_l
     def inject(patch, engine):
         decode = engine.runner.decode
 
-        def faulty_decode(batch):
-            decoded = decode(batch)
+        def faulty_decode(batch, stop_token_ids):
+            decoded = decode(batch, stop_token_ids)
             runs.append(len(decoded))
             bad = [row for row, seq in enumerate(batch.seqs) if is_bad(seq)]
             if bad and len(decoded) > 2:  # as the C++ model reports it: the run ends with that step
