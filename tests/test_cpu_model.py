@@ -298,8 +298,8 @@ def test_a_run_of_decode_steps_ends_with_the_step_where_a_row_samples_one_of_its
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
-def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_and_sampled(tiny_llama64_dir,
-                                                                                   kv_cache_dtype):
+def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_sampled_and_penalised(
+        tiny_llama64_dir, kv_cache_dtype):
     single = engine(tiny_llama64_dir, num_scheduler_steps=1, kv_cache_dtype=kv_cache_dtype)
     runs = engine(tiny_llama64_dir, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(3)
