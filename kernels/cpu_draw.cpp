@@ -137,18 +137,20 @@ float scaled(const float* logits, int64_t vocab, float temperature, float* mass)
     return nan ? std::numeric_limits<float>::quiet_NaN() : top;
 }
 
-// mass[i] = e^(mass[i] - top) for a finite top; their sum.
-float exponentiated(float* mass, int64_t vocab, float top) {
-    float total = 0.f;
+// mass[i] = e^(mass[i] - top) for a finite top; their sum, in float64: the top-p floor and the nucleus's cut take
+// it as the row's mass, and a float32 sum of a vocabulary can be off by more than their slack.
+double exponentiated(float* mass, int64_t vocab, float top) {
+    double total = 0.0;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    __m512 totals = _mm512_setzero_ps();
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
     for (; i + 16 <= vocab; i += 16) {
         const __m512 e = qrun_exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(mass + i), _mm512_set1_ps(top)));
         _mm512_storeu_ps(mass + i, e);
-        totals = _mm512_add_ps(totals, e);
+        low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
     }
-    total = _mm512_reduce_add_ps(totals);
+    total = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
 #endif
     for (; i < vocab; i++) total += mass[i] = qrun_exp_nonpositive(mass[i] - top);
     return total;
@@ -158,7 +160,7 @@ int64_t draw_row(const float* logits, int64_t vocab, float temperature, int64_t 
                  double uniform, float* mass) {
     const float top = scaled(logits, vocab, temperature, mass);
     if (std::isnan(top) || top == -std::numeric_limits<float>::infinity()) return -1;
-    float total = 0.f;
+    double total = 0.0;
     if (top == std::numeric_limits<float>::infinity()) {  // the limit: equal shares of the infinite tokens
         for (int64_t i = 0; i < vocab; i++) total += mass[i] = mass[i] == top ? 1.f : 0.f;
     } else {
@@ -172,7 +174,7 @@ int64_t draw_row(const float* logits, int64_t vocab, float temperature, int64_t 
     // in all) has more than top_p before it
     std::vector<Candidate> kept =
         k < vocab ? candidates(mass, vocab, top_k_floor(mass, vocab, k), k, 1.0, total)
-                  : candidates(mass, vocab, float((1.0 - top_p) * total / vocab * (1 - 1e-3)), vocab, top_p, total);
+                  : candidates(mass, vocab, float((1.0 - top_p) * total / vocab * (1 - 1e-6)), vocab, top_p, total);
     if (int64_t(kept.size()) > k) kept.resize(k);
     // the nucleus: a token stays while the mass before it is at most top_p of the top-k's (without a top-k: the
     // row's); the first always stays
