@@ -23,7 +23,7 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
     preempted: list[Sequence] = field(default_factory=list)
     # decode steps run back to back (Scheduler.decode_steps): each sequence computes one token a
-    # step, the token the step before sampled greedily
+    # step, the token the step before picked (greedy or drawn: ModelRunner.decode)
     steps: int = 1
 
     @property
