@@ -10,18 +10,20 @@ its shared memory exceeds the target's per-block limit, or when it spills.
     python -m qrun.kernels.aot --markdown docs/KERNELS.md   # also write the table
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces the kernels with Python objects
-that cannot be compiled); the test suite runs it in a child process. Triton caches each compiled
-kernel on disk (~/.triton/cache), so a second run takes seconds.
+that cannot be compiled); the test suite runs it in a child process. Each compile's result is
+cached under the qrun cache (the compiled kernels themselves are not kept), so a second run
+takes seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -231,15 +233,19 @@ def _spec_key(target: Target, spec: tuple) -> str:
                        sorted(map(str, attrs.items())), sorted(map(str, options.items()))])
 
 
+# What a cached result was measured by, so that results measured otherwise are not reused (1: a ptxas run of our
+# own, without the flags Triton compiles with; 2: Triton's own run).
+RESULTS_VERSION = 2
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 def compile_one(job: tuple[Target, str, tuple]) -> Compiled:
-    """Compile one launch spec for its target and measure it with `ptxas -v`."""
+    """Compile one launch spec for its target and read what Triton's own ptxas run reports
+    (`ptxas -v`, with the flags that make the cubin a GPU would load)."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     target, where, ((module, name), signature, constexprs, attrs, options) = job
@@ -247,26 +253,38 @@ def compile_one(job: tuple[Target, str, tuple]) -> Compiled:
     variant = ", ".join(f"{fn.arg_names[i[0]]}={v}" for i, v in constexprs.items())
     variant += ", " + ", ".join(f"{k}={options[k]}" for k in ("num_warps", "num_stages"))
     result = Compiled(fn.__name__, target.name, where, variant, shared_memory_limit=target.shared_memory)
-    try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", target.capability, 32), options=options)
-    except Exception as e:  # a compile error is the finding, whatever its type
-        result.error = f"does not compile: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    # Triton prints the log of its ptxas run where asked, and runs ptxas only on a miss in its cache: the
+    # check's workers compile into an empty cache of their own (_compile_in_workers).
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(io.StringIO()) as log:
+        knobs.nvidia.dump_ptxas_log = True
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                      target=GPUTarget("cuda", target.capability, 32), options=options)
+        except Exception as e:  # a compile error is the finding, whatever its type
+            result.error = f"does not compile: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            return result
+    registers, spills = _PTXAS_LINE.search(log.getvalue()), _SPILLS.search(log.getvalue())
+    if registers is None:
+        result.error = "Triton's ptxas run printed no register count (was the kernel in Triton's cache?)"
         return result
     result.shared_memory = compiled.metadata.shared
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        arch = "sm_90a" if target.capability == 90 else target.name
-        report = subprocess.run([get_ptxas(target.capability).path, "-v", f"--gpu-name={arch}", str(ptx),
-                                 "-o", str(Path(tmp) / "kernel.o")], capture_output=True, text=True)
-    if report.returncode:
-        result.error = f"ptxas failed: {report.stderr.strip()[:300]}"
-        return result
-    registers, spills = _PTXAS_LINE.search(report.stderr), _SPILLS.search(report.stderr)
-    result.registers = int(registers.group(1)) if registers else 0
+    result.registers = int(registers.group(1))
     result.spill_bytes = sum(map(int, spills.groups())) if spills else 0
     return result
+
+
+def _use_triton_cache(folder: str) -> None:
+    os.environ["TRITON_CACHE_DIR"] = folder
+
+
+def _compile_in_workers(jobs: list[tuple[Target, str, tuple]], workers: int) -> Iterator[Compiled]:
+    """compile_one for each job, in order, on `workers` processes compiling into a Triton cache
+    of their own, removed after: every compile runs ptxas (so compile_one reads its report), and
+    kernels built for GPUs this machine may not have (~0.6 MB each) stay out of the user's cache."""
+    with tempfile.TemporaryDirectory(prefix="qrun-aot-triton-") as triton_cache, \
+            ProcessPoolExecutor(max(1, min(workers, len(jobs))), initializer=_use_triton_cache,
+                                initargs=(triton_cache,)) as pool:
+        yield from pool.map(compile_one, jobs, chunksize=2)
 
 
 def _cached_compile(jobs: dict[str, tuple[Target, str, tuple]], workers: int) -> dict[str, Compiled]:
@@ -284,7 +302,8 @@ def _cached_compile(jobs: dict[str, tuple[Target, str, tuple]], workers: int) ->
     for key, job in jobs.items():
         module, name = job[2][0]
         source_hash = getattr(importlib.import_module(module), name).cache_key
-        path = folder / (hashlib.sha256(f"{key}|{source_hash}|{triton.__version__}".encode()).hexdigest() + ".json")
+        stamp = f"{key}|{source_hash}|{triton.__version__}|{RESULTS_VERSION}"
+        path = folder / (hashlib.sha256(stamp.encode()).hexdigest() + ".json")
         if path.exists():
             stored = json.loads(path.read_text())
             results[key] = Compiled(**{**stored, "where": job[1], "chosen": False})
@@ -292,12 +311,11 @@ def _cached_compile(jobs: dict[str, tuple[Target, str, tuple]], workers: int) ->
             todo[key] = (job, path)
     if not todo:
         return results
-    jobs_left = [job for job, _ in todo.values()]
-    with ProcessPoolExecutor(max(1, min(workers, len(jobs_left)))) as pool:
-        # Stored as each finishes (map yields in order), so an interrupted run keeps its work.
-        for (key, (_, path)), result in zip(todo.items(), pool.map(compile_one, jobs_left, chunksize=2)):
-            results[key] = result
-            atomic_write_text(path, json.dumps(asdict(result)))
+    # Stored as each finishes (in order), so an interrupted run keeps its work.
+    compiled = _compile_in_workers([job for job, _ in todo.values()], workers)
+    for (key, (_, path)), result in zip(todo.items(), compiled):
+        results[key] = result
+        atomic_write_text(path, json.dumps(asdict(result)))
     return results
 
 
