@@ -112,17 +112,17 @@ def attention_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
 
     num_seqs, max_seq_len = 4, 4096
     cache_shape = (64, BLOCK_SIZE, shape.num_kv_heads)
-    caches = {"": (_meta(*cache_shape, shape.head_dim, dtype=dtype), None)}
+    caches = {"": (0, _meta(*cache_shape, shape.head_dim, dtype=dtype), None)}  # name: bits, data, scales
     for bits in (8, 4):
         caches[f", int{bits} cache"] = (
-            _meta(*cache_shape, shape.head_dim * bits // 8, dtype=storage_dtype(bits)),
+            bits, _meta(*cache_shape, shape.head_dim * bits // 8, dtype=storage_dtype(bits)),
             _meta(*cache_shape, shape.head_dim // kv_group_size(shape.head_dim, bits), 2))
     tables = _meta(num_seqs, max_seq_len // BLOCK_SIZE, dtype=torch.int32)
     seq_lens, starts = _meta(num_seqs, dtype=torch.int32), _meta(num_seqs + 1, dtype=torch.int32)
     for phase, tokens in (("decode", num_seqs), ("prefill", 512)):
         q = _meta(tokens, shape.num_heads, shape.head_dim, dtype=dtype)
         max_query_len = 1 if phase == "decode" else tokens
-        for cache_name, (cache, scales) in caches.items():
+        for cache_name, (bits, cache, scales) in caches.items():
             splits = 1
             while splits <= (MAX_KV_SPLITS if scales is None else 2):
                 yield Site(f"{phase}{cache_name}, {splits} split{'s' * (splits > 1)}", [
@@ -130,7 +130,7 @@ def attention_sites(shape: ModelShape, dtype: torch.dtype) -> Iterator[Site]:
                                              shape.head_dim ** -0.5, torch.empty_like(q), scales, scales, sms=1,
                                              tiles=tiles, num_splits=splits)
                     for tiles in attention_tile_candidates(shape.head_dim, shape.num_heads // shape.num_kv_heads,
-                                                           max_query_len)],
+                                                           max_query_len, bits)],
                     min_capability=0 if scales is None else QUANTIZED_KV_MIN_CAPABILITY)
                 splits *= 2
 

@@ -372,12 +372,19 @@ class AttentionTiles:
     block_n: int  # keys per inner step
 
 
-def attention_tile_candidates(head_dim: int, qpk: int, max_query_len: int) -> list[AttentionTiles]:
+_UNPACKED_4BIT_VALUES = 4096
+
+
+def attention_tile_candidates(head_dim: int, qpk: int, max_query_len: int, kv_bits: int = 0) -> list[AttentionTiles]:
     """Tile choices, fastest first: the launcher runs the first that fits the device.
 
     Prefill wants 64 rows per program (32 above head_dim 128) and decode 16; keys come 64 at a
     time (32 above head_dim 128). Turing's register file does not hold those tiles without
-    spilling (`docs/KERNELS.md`), so the rows, then the keys, halve down to 16 x 16.
+    spilling (`docs/KERNELS.md`), so the rows, then the keys, halve down to 16 x 16. A 4-bit
+    cache's keys and values are unpacked in registers: tiles of more than 4096 of them (keys x
+    head_dim) spilled on every target the AOT check compiles for (sm_80 to sm_90; head_dim 80,
+    128, 256, decode and prefill), so they are not candidates there (each would be compiled at
+    first use only to be passed over).
     """
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     target_rows = 16 if max_query_len <= 1 else (64 if head_dim_pad <= 128 else 32)
@@ -387,7 +394,7 @@ def attention_tile_candidates(head_dim: int, qpk: int, max_query_len: int) -> li
         block_m = max(target_rows, triton.next_power_of_2(qpk))
         block_q = max(1, min(block_m // qpk, max_query_len))
         tiles = AttentionTiles(block_q, max(16, triton.next_power_of_2(block_q * qpk)), block_n)
-        if tiles not in candidates:
+        if tiles not in candidates and (kv_bits != 4 or block_n * head_dim_pad <= _UNPACKED_4BIT_VALUES):
             candidates.append(tiles)
         if target_rows > 16:
             target_rows //= 2
@@ -421,7 +428,8 @@ def paged_attention_launches(
     (the last candidate when none does; the first when `fits` is None). `tiles` and
     `num_splits` override the choices. Works on meta tensors (nothing is read)."""
     if tiles is None:
-        candidates = attention_tile_candidates(q.shape[2], q.shape[1] // k_cache.shape[2], max_query_len)
+        kv_bits = bits_of(k_cache) if k_scales is not None else 0
+        candidates = attention_tile_candidates(q.shape[2], q.shape[1] // k_cache.shape[2], max_query_len, kv_bits)
         for tiles in candidates:
             launches = paged_attention_launches(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import qrun.kernels.paged_attention as pa
 from qrun.kernels.aot import TARGETS
-from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY
+from qrun.kernels.kv_quant import QUANTIZED_KV_MIN_CAPABILITY, kv_group_size, storage_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_paged_attn_kernel", "_merge_splits_kernel", "_dq_gemv_kernel", "_dq_mm_kernel", "_dequantize_kernel",
@@ -72,6 +73,27 @@ def _attention_args(head_dim: int = 128, qpk: int = 4):
     cache = torch.empty(8, 16, 2, head_dim, dtype=torch.float16, device="meta")
     meta = [torch.empty(n, dtype=torch.int32, device="meta") for n in ((4, 8), (4,), (5,))]
     return (q, cache, cache, *meta, 512, 4096, 0.1, torch.empty_like(q))
+
+
+def test_four_bit_cache_attention_leaves_out_the_tiles_that_spill_on_every_target():
+    # More than 4096 unpacked 4-bit keys or values a tile spilled on sm_80-sm_90 (attention_tile_candidates):
+    # the launcher does not compile them at first use only to pass them over, nor does this check.
+    for head_dim in (64, 80, 128, 256):
+        for max_query_len in (1, 512):
+            every = pa.attention_tile_candidates(head_dim, 4, max_query_len)
+            four_bit = pa.attention_tile_candidates(head_dim, 4, max_query_len, kv_bits=4)
+            unpacked = triton.next_power_of_2(head_dim)
+            assert four_bit == [tiles for tiles in every if tiles.block_n * unpacked <= 4096]
+            assert four_bit[-1] == every[-1]  # the smallest tile, which runs everywhere
+            assert pa.attention_tile_candidates(head_dim, 4, max_query_len, kv_bits=8) == every
+    head_dim, bits = 128, 4
+    q, cache, _, tables, seq_lens, starts, *rest = _attention_args(head_dim)
+    data = torch.empty(*cache.shape[:3], head_dim * bits // 8, dtype=storage_dtype(bits), device="meta")
+    scales = torch.empty(*cache.shape[:3], head_dim // kv_group_size(head_dim, bits), 2, dtype=torch.float16,
+                         device="meta")
+    decode = pa.paged_attention_launches(q, data, data, tables, seq_lens, starts, 1, *rest[1:], scales, scales, sms=1,
+                                         fits=lambda launch: True)
+    assert decode[0].constexprs["BLOCK_N"] == 32 and decode[0].constexprs["KV_BITS"] == 4
 
 
 def test_attention_launcher_takes_the_first_tiles_that_fit():
