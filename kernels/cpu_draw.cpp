@@ -195,12 +195,16 @@ int64_t draw_row(const float* logits, int64_t vocab, float temperature, int64_t 
 }  // namespace
 
 // out[r] = a token drawn from row r of logits [rows, vocab] (rows `ld` floats apart) by kernels/draw.py's rule, with
-// row r's temperature (> 0), top_k (vocab or more: no limit), top_p, min_p and uniform in [0, 1); -1 for a row
-// without mass (every logit -inf, or a NaN). vocab < 2^31.
+// row r's temperature, top_k (vocab or more: no limit), top_p, min_p and uniform in [0, 1); -1 for a row
+// without mass (every logit -inf, or a NaN) and for a row at temperature 0, which is not drawn. vocab < 2^31.
 extern "C" void qrun_draw(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperature,
                           const int64_t* top_k, const float* top_p, const float* min_p, const double* uniforms,
                           int64_t* out, int threads) {
     qrun_parallel_for(rows, threads, rows > 1, [&](int64_t r) {
+        if (!(temperature[r] > 0)) {
+            out[r] = -1;
+            return;
+        }
         thread_local std::vector<float> mass;
         mass.resize(vocab);
         out[r] = draw_row(logits + r * ld, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r],

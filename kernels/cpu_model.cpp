@@ -661,11 +661,9 @@ class StepModel : public torch::CustomClassHolder {
                         uniforms.size(0) == (draws ? steps : 0) && uniforms.size(1) == rows,
                     "StepModel.decode: uniforms must be contiguous float64 [steps, rows] ([0, rows] where no row "
                     "draws), got ", uniforms.scalar_type(), " ", uniforms.sizes());
-        // the draw's arguments; a greedy row draws at temperature 1, and its draw is not taken
-        std::vector<float> draw_temperature(rows), draw_top_p(top_p.begin(), top_p.end()),
-            draw_min_p(min_p.begin(), min_p.end());
-        std::transform(temperature.begin(), temperature.end(), draw_temperature.begin(),
-                       [](double t) { return t > 0 ? float(t) : 1.f; });
+        // the draw's arguments (a greedy row, at temperature 0, is not drawn)
+        std::vector<float> draw_temperature(temperature.begin(), temperature.end()),
+            draw_top_p(top_p.begin(), top_p.end()), draw_min_p(min_p.begin(), min_p.end());
         std::vector<Penalties> penalties;
         penalties.reserve(rows);
         for (int64_t r = 0; r < rows; r++)

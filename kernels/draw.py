@@ -9,12 +9,15 @@ import torch
 def draw_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
              min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """int64 [B]: a token from each row of float32 `logits` [B, V], drawn by inverse CDF
-    (`uniforms` [B] float64 in [0, 1)) from softmax(logits / temperature) ([B] float32, > 0) with
+    (`uniforms` [B] float64 in [0, 1)) from softmax(logits / temperature) ([B] float32) with
     every token outside the row's top_k ([B] int64, V or more: no limit), top-p nucleus and min-p
     set zeroed (`truncate`). A row that reaches +inf takes its limit (`at_infinity`); a row with no
-    mass to draw from (every logit -inf, or NaN) gives -1."""
-    probs = at_infinity(logits / temperature[:, None]).softmax(dim=-1)
-    return inverse_cdf(truncate(probs, top_k.clamp(max=logits.shape[1]), top_p, min_p), uniforms)
+    mass to draw from (every logit -inf, or NaN) gives -1, and so does a row at temperature 0 (a
+    greedy row beside drawn ones), which is not drawn."""
+    drawn = temperature > 0
+    probs = at_infinity(logits / torch.where(drawn, temperature, 1.0)[:, None]).softmax(dim=-1)
+    tokens = inverse_cdf(truncate(probs, top_k.clamp(max=logits.shape[1]), top_p, min_p), uniforms)
+    return torch.where(drawn, tokens, -1)
 
 
 def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -145,11 +145,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     if not all(greedy):
         temperature, top_k, top_p, min_p = draw_params(seqs, logits.shape[1])
         sampled = ops_for(device).draw(
-            logits, torch.tensor(temperature, device=device).clamp(min=MIN_TEMPERATURE),
+            logits, torch.tensor(temperature, device=device),
             torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
             torch.tensor(min_p, device=device), uniforms(seqs, 1, device)[0])
-        # greedy rows, and rows with no distribution to draw from: their logits' first maximum
-        tokens = torch.where(torch.tensor(greedy, device=device) | (sampled < 0), tokens, sampled)
+        # greedy rows (not drawn: temperature 0), and rows with no distribution to draw from: their first maximum
+        tokens = torch.where(sampled < 0, tokens, sampled)
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, params, token_list)
 

@@ -155,6 +155,14 @@ def test_the_cpu_draw_takes_the_limit_of_infinite_rows_and_gives_minus_one_witho
     assert kernels.ops_for(torch.device("cpu")).draw is draw_cpu  # what the sampler takes here
 
 
+@needs_library
+def test_a_row_at_temperature_zero_is_not_drawn():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
+    args = (torch.tensor([0.0, 1.0]), torch.tensor([3, 3]), torch.ones(2), torch.zeros(2),
+            torch.tensor([0.9, 0.9], dtype=torch.float64))
+    assert draw_cpu(logits, *args).tolist() == draw_ref(logits, *args).tolist() == [-1, 2]
+
+
 def test_a_runs_sampling_that_ends_early_leaves_seeded_generators_as_the_steps_run_would():
     seqs = [Sequence(i, "r", 0, [1], SamplingParams(temperature=0.8, seed=i), detokenizer=None, arrival_time=0.0,
                      generator=torch.Generator().manual_seed(i)) for i in range(2)]
