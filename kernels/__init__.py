@@ -6,7 +6,8 @@ the CPU the C++ kernels where an op has one (paged attention, decode rows and pr
 `kernels/cpu_attention.py`; the rotation and its inverse: `kernels/cpu_rotation.py`; RMSNorm:
 `kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the MLP's SiLU-gated activation:
 `kernels/cpu_activation.py`; the quantized cache store: `kernels/cpu_kv_store.py`; greedy
-sampling's argmax: `kernels/cpu_argmax.py`; sampling's draw: `kernels/cpu_draw.py`; built at first use by `kernels/cpu_library.py`) and
+sampling's argmax: `kernels/cpu_argmax.py`; sampling's draw: `kernels/cpu_draw.py`; logprobs:
+`kernels/cpu_logprobs.py`; built at first use by `kernels/cpu_library.py`) and
 the torch references for the rest, or the references alone where no C++ compiler builds them. Every
 implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
 call them without knowing which they got (resolved once per backend: a later lookup is a
@@ -21,12 +22,13 @@ from types import SimpleNamespace
 
 import torch
 
-from qrun.kernels import (cpu_activation, cpu_argmax, cpu_attention, cpu_draw, cpu_kv_store, cpu_library, cpu_norm,
-                           cpu_rotary, cpu_rotation)
+from qrun.kernels import (cpu_activation, cpu_argmax, cpu_attention, cpu_draw, cpu_kv_store, cpu_library,
+                           cpu_logprobs, cpu_norm, cpu_rotary, cpu_rotation)
 from qrun.kernels.activation import silu_and_mul_ref
 from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
 from qrun.kernels.draw import draw_ref
+from qrun.kernels.logprobs import top_logprobs_ref
 from qrun.kernels.norm import rms_norm_ref, rms_norm_triton
 from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
@@ -52,6 +54,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "first_max": {"torch": first_max_ref, "triton": first_max_ref, "cpu": cpu_argmax.first_max_cpu},
     # GPUs draw with torch's ops: a row's few reductions, each one kernel
     "draw": {"torch": draw_ref, "triton": draw_ref, "cpu": cpu_draw.draw_cpu},
+    # GPUs: torch's log-softmax and top-k, a kernel each
+    "top_logprobs": {"torch": top_logprobs_ref, "triton": top_logprobs_ref, "cpu": cpu_logprobs.top_logprobs_cpu},
 }
 
 

@@ -12,6 +12,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <tuple>
@@ -631,20 +633,20 @@ class StepModel : public torch::CustomClassHolder {
     // penalties (`Penalties`: token_ids its tokens so far, the first prompt_lens of them its prompt's; empty where it
     // has none); its token is then their first maximum where its temperature is 0, else drawn as kernels/cpu_draw.cpp
     // draws (its top_k, top_p, min_p, and its uniform of the step: uniforms float64 [steps, rows]; [0, rows] where no
-    // row draws). The tokens, step by step (steps x rows); a step in which a row's logits are not finite (before
-    // penalties, as the engine checks them: that row's token -1) or a row's token is one of its stop_token_ids (its
-    // sequence ends there: the steps after would be dropped) is the last.
-    std::vector<int64_t> decode(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
-                                const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables,
-                                int64_t table_width, int64_t steps, const std::vector<double>& temperature,
-                                const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
-                                const std::vector<double>& min_p, const at::Tensor& uniforms,
-                                const std::vector<double>& repetition_penalty,
-                                const std::vector<double>& presence_penalty,
-                                const std::vector<double>& frequency_penalty,
-                                const std::vector<std::vector<int64_t>>& token_ids,
-                                const std::vector<int64_t>& prompt_lens,
-                                const std::vector<std::vector<int64_t>>& stop_token_ids) {
+    // row draws). A row with logprobs (its count of alternatives; -1: none) reports its token's and its likeliest
+    // tokens' log-softmax of its penalised logits, as kernels/cpu_logprobs.cpp finds them. The tokens, step by step
+    // (steps x rows), and the logprobs: chosen float32 [steps, rows], the likeliest tokens' values float32 and tokens
+    // int64 [steps, rows, the most logprobs asked] (NaN and -1 where a row asked for none), of the steps run; a step in
+    // which a row's logits are not finite (before penalties, as the engine checks them: that row's token -1) or a
+    // row's token is one of its stop_token_ids (its sequence ends there: the steps after would be dropped) is the last.
+    std::tuple<std::vector<int64_t>, at::Tensor, at::Tensor, at::Tensor> decode(
+        const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slot_mapping,
+        const std::vector<int64_t>& block_tables, int64_t table_width, int64_t steps,
+        const std::vector<double>& temperature, const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+        const std::vector<double>& min_p, const at::Tensor& uniforms, const std::vector<double>& repetition_penalty,
+        const std::vector<double>& presence_penalty, const std::vector<double>& frequency_penalty,
+        const std::vector<std::vector<int64_t>>& token_ids, const std::vector<int64_t>& prompt_lens,
+        const std::vector<int64_t>& logprobs, const std::vector<std::vector<int64_t>>& stop_token_ids) {
         const int64_t rows = ids.size();
         TORCH_CHECK(rows > 0 && steps > 0 && int64_t(positions.size()) == rows &&
                         int64_t(slot_mapping.size()) == rows * steps && table_width > 0 &&
@@ -653,8 +655,8 @@ class StepModel : public torch::CustomClassHolder {
                         int64_t(min_p.size()) == rows && int64_t(repetition_penalty.size()) == rows &&
                         int64_t(presence_penalty.size()) == rows && int64_t(frequency_penalty.size()) == rows &&
                         int64_t(token_ids.size()) == rows && int64_t(prompt_lens.size()) == rows &&
-                        int64_t(stop_token_ids.size()) == rows,
-                    "StepModel.decode: ids, positions, the sampling arguments, token_ids, prompt_lens and "
+                        int64_t(logprobs.size()) == rows && int64_t(stop_token_ids.size()) == rows,
+                    "StepModel.decode: ids, positions, the sampling arguments, token_ids, prompt_lens, logprobs and "
                     "stop_token_ids need one value a row, slot_mapping steps a row, block_tables table_width a row");
         const bool draws = std::any_of(temperature.begin(), temperature.end(), [](double t) { return t > 0; });
         TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.dim() == 2 &&
@@ -669,7 +671,13 @@ class StepModel : public torch::CustomClassHolder {
         for (int64_t r = 0; r < rows; r++)
             penalties.emplace_back(repetition_penalty[r], presence_penalty[r], frequency_penalty[r], token_ids[r],
                                    prompt_lens[r], head_.out_features);
-        std::vector<int64_t> sample_rows(rows), query_start_loc(rows + 1), drawn(rows);
+        const int64_t top_n = std::max<int64_t>(0, *std::max_element(logprobs.begin(), logprobs.end()));
+        const bool reports = std::any_of(logprobs.begin(), logprobs.end(), [](int64_t n) { return n >= 0; });
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        const at::Tensor chosen = at::full({steps, rows}, nan, at::kFloat),
+                         top_values = at::full({steps, rows, top_n}, nan, at::kFloat),
+                         top_ids = at::full({steps, rows, top_n}, -1, at::kLong);
+        std::vector<int64_t> sample_rows(rows), query_start_loc(rows + 1), drawn(rows), reported(rows);
         std::iota(sample_rows.begin(), sample_rows.end(), 0);
         std::iota(query_start_loc.begin(), query_start_loc.end(), 0);
         const at::Tensor tables = tensor_of(block_tables, {rows, table_width}, at::kInt);
@@ -699,6 +707,12 @@ class StepModel : public torch::CustomClassHolder {
                 for (int64_t r = 0; r < rows; r++)
                     if (temperature[r] > 0 && step_ids[r] >= 0 && drawn[r] >= 0) step_ids[r] = drawn[r];
             }
+            if (reports) {
+                for (int64_t r = 0; r < rows; r++) reported[r] = logprobs[r] >= 0 ? step_ids[r] : -1;
+                qrun_top_logprobs(logits.data_ptr<float>(), logits.size(1), rows, logits.size(1), reported.data(),
+                                  top_n, chosen[s].data_ptr<float>(), top_values[s].data_ptr<float>(),
+                                  top_ids[s].data_ptr<int64_t>(), at::get_num_threads());
+            }
             tokens.insert(tokens.end(), step_ids.begin(), step_ids.end());
             bool last = false;
             for (int64_t r = 0; r < rows; r++)
@@ -708,7 +722,9 @@ class StepModel : public torch::CustomClassHolder {
             for (int64_t r = 0; r < rows; r++) penalties[r].add(step_ids[r]);
             for (int64_t& position : step_positions) position++;
         }
-        return tokens;
+        const int64_t steps_run = int64_t(tokens.size()) / rows;
+        return {tokens, chosen.narrow(0, 0, steps_run), top_values.narrow(0, 0, steps_run),
+                top_ids.narrow(0, 0, steps_run)};
     }
 
   private:

@@ -386,6 +386,29 @@ at::Tensor draw(const at::Tensor& logits, const at::Tensor& temperature, const a
     return out;
 }
 
+// Each row's log-softmax at its token, and its top_n largest values with their tokens (kernels/cpu_logprobs.py).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, const at::Tensor& tokens,
+                                                            int64_t top_n) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+                    logits.size(1) > 0 && logits.size(1) < (int64_t(1) << 31),
+                "top_logprobs: logits must be float32 [rows, vocab] with contiguous rows and 0 < vocab < 2^31, got ",
+                logits.scalar_type(), " ", logits.sizes());
+    const int64_t rows = logits.size(0), vocab = logits.size(1);
+    TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == rows && tokens.scalar_type() == at::kLong &&
+                    tokens.is_contiguous(),
+                "top_logprobs: tokens must be int64 [", rows, "], got ", tokens.scalar_type(), " ", tokens.sizes());
+    TORCH_CHECK(top_n >= 0 && top_n <= vocab, "top_logprobs: top_n must be in [0, ", vocab, "], got ", top_n);
+    const int64_t* token = tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; r++)
+        TORCH_CHECK(token[r] >= 0 && token[r] < vocab, "top_logprobs: token ", token[r], " of row ", r,
+                    " is outside the ", vocab, " logits");
+    at::Tensor chosen = at::empty({rows}, logits.options()), values = at::empty({rows, top_n}, logits.options()),
+               ids = at::empty({rows, top_n}, logits.options().dtype(at::kLong));
+    qrun_top_logprobs(logits.data_ptr<float>(), logits.stride(0), rows, vocab, token, top_n, chosen.data_ptr<float>(),
+                      values.data_ptr<float>(), ids.data_ptr<int64_t>(), at::get_num_threads());
+    return {chosen, values, ids};
+}
+
 // x's float32 sum, each thread reading its share in `streams` runs side by side (kernels/cpu_read.cpp).
 at::Tensor read_sum(const at::Tensor& x, int64_t streams) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "read_sum: x must be contiguous float32, got ",
@@ -410,6 +433,13 @@ at::Tensor first_max_shape(const at::Tensor& rows) {
 at::Tensor draw_shape(const at::Tensor& logits, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&, const at::Tensor&) {
     return at::empty_symint({logits.sym_size(0)}, logits.options().dtype(at::kLong));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs_shape(const at::Tensor& logits, const at::Tensor&,
+                                                                  int64_t top_n) {
+    return {at::empty_symint({logits.sym_size(0)}, logits.options()),
+            at::empty_symint({logits.sym_size(0), top_n}, logits.options()),
+            at::empty_symint({logits.sym_size(0), top_n}, logits.options().dtype(at::kLong))};
 }
 
 at::Tensor silu_and_mul_shape(const at::Tensor& gate, const at::Tensor&) {
@@ -626,6 +656,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("first_max(Tensor rows) -> Tensor");
     m.def("draw(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor uniforms) "
           "-> Tensor");
+    m.def("top_logprobs(Tensor logits, Tensor tokens, int top_n) -> (Tensor, Tensor, Tensor)");
     m.def("read_sum(Tensor x, int streams) -> Tensor");
     m.def("multiply_adds(int rounds) -> float", &multiply_adds);  // no tensors to dispatch on: every backend's
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
@@ -648,6 +679,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("first_max", &first_max);
     m.impl("draw", &draw);
+    m.impl("top_logprobs", &top_logprobs);
     m.impl("read_sum", &read_sum);
     m.impl("half_gemv", &half_gemv);
     m.impl("rms_norm", &rms_norm);
@@ -667,6 +699,7 @@ TORCH_LIBRARY_IMPL(qrun, Meta, m) {
     m.impl("silu_and_mul", &silu_and_mul_shape);
     m.impl("first_max", &first_max_shape);
     m.impl("draw", &draw_shape);
+    m.impl("top_logprobs", &top_logprobs_shape);
     m.impl("half_gemv", &half_gemv_shape);
     m.impl("rms_norm", &rms_norm_shape);
     m.impl("add_rms_norm", &add_rms_norm_shape);

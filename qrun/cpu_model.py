@@ -145,20 +145,22 @@ class CpuModel:
                                        layout.table_width, layout.seq_lens, layout.query_start_loc, rows, half_gemv)
 
     def decode(self, ids: list[int], positions: list[int], layout: StepLayout, steps: int,
-               sampling: tuple | None = None, stop_token_ids: list[list[int]] | None = None) -> list[list[int]]:
+               sampling: tuple | None = None, stop_token_ids: list[list[int]] | None = None
+               ) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Tokens of `steps` decode steps run back to back, each step's tokens the next one's ids: `ids`
         one token of each sequence at `positions`, `layout` covering the positions of every step
         (`StepLayout.of` with spans `(p, p + steps)`). `sampling`: `sampler.RunSampling.arguments`
-        (None: every row greedy, without penalties); a row's logits take its penalties, then its
-        token is their first maximum where its temperature is 0, else drawn as
+        (None: every row greedy, without penalties or logprobs); a row's logits take its penalties,
+        then its token is their first maximum where its temperature is 0, else drawn as
         `kernels/cpu_draw.py` draws. A list per step, a token per sequence; a step in which a
         sequence's logits are not finite (its token -1) or a sequence's token is one of its
-        `stop_token_ids` (None: none) is the last."""
+        `stop_token_ids` (None: none) is the last. And the logprobs of the sequences that ask for
+        them, a row per step of `kernels/logprobs.py`'s outputs (`RunSampling.logprobs` reads them)."""
         rows = len(ids)
-        tokens = self.step_model.decode(ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width,
-                                        steps, *(sampling or RunSampling.greedy_arguments(rows)),
-                                        stop_token_ids or [[] for _ in range(rows)])
-        return [tokens[i:i + rows] for i in range(0, len(tokens), rows)]
+        tokens, *logprobs = self.step_model.decode(
+            ids, positions, layout.slot_mapping, layout.block_tables, layout.table_width, steps,
+            *(sampling or RunSampling.greedy_arguments(rows)), stop_token_ids or [[] for _ in range(rows)])
+        return [tokens[i:i + rows] for i in range(0, len(tokens), rows)], tuple(logprobs)
 
 
 # Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams (SmolLM2 takes

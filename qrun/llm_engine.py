@@ -290,7 +290,7 @@ class LLMEngine:
         start = time.perf_counter()
         try:
             if batch.steps > 1:
-                decoded = self.runner.decode(batch, [self._stop_token_ids(seq) for seq in batch.seqs])
+                decoded, logprobs = self.runner.decode(batch, [self._stop_token_ids(seq) for seq in batch.seqs])
             else:
                 logits, sampling, first_max = self.runner.execute(batch)
         except Exception as err:  # noqa: BLE001 - which request caused it is unknowable: all of the step's fail
@@ -301,7 +301,7 @@ class LLMEngine:
         if batch.total_tokens == len(batch.seqs) * batch.steps:
             self._decode_step_s = (time.perf_counter() - start) / batch.steps
         if batch.steps > 1:
-            self._append_decoded(batch.seqs, decoded)
+            self._append_decoded(batch.seqs, decoded, logprobs)
         else:
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed_tokens += n
@@ -362,8 +362,7 @@ class LLMEngine:
         """How many decode steps `batch` may run back to back (the scheduler then checks it can): as
         many as take MAX_DECODE_RUN_S at the last decode step's speed, none past a sequence's
         max_tokens or the model's length, and one where the C++ model does not cover the model or
-        cannot pick a sequence's tokens itself (logprobs, held-back stop tokens, a grammar:
-        `samples_in_runs`)."""
+        cannot pick a sequence's tokens itself (held-back stop tokens, a grammar: `samples_in_runs`)."""
         steps = self.config.num_scheduler_steps
         if self._decode_step_s:
             steps = min(steps, int(MAX_DECODE_RUN_S / self._decode_step_s))
@@ -375,12 +374,13 @@ class LLMEngine:
             steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - len(seq))
         return steps
 
-    def _append_decoded(self, seqs: list[Sequence], decoded: list[list[int]]) -> None:
-        """Each sequence's tokens of a run of decode steps (a list per step), taken as its steps
-        would have: one computed and one appended at a time, until it finishes (later ones are
-        dropped); a token of -1 (logits not finite) fails its request."""
+    def _append_decoded(self, seqs: list[Sequence], decoded: list[list[int]],
+                        logprobs: list[list[dict[int, float] | None]]) -> None:
+        """Each sequence's tokens of a run of decode steps (a list per step), with their logprobs,
+        taken as its steps would have: one computed and one appended at a time, until it finishes
+        (later ones are dropped); a token of -1 (logits not finite) fails its request."""
         for row, seq in enumerate(seqs):
-            for tokens in decoded:
+            for tokens, step_logprobs in zip(decoded, logprobs):
                 if seq.finished:  # a stop; or a sibling failed the request
                     break
                 seq.num_computed_tokens += 1
@@ -389,7 +389,7 @@ class LLMEngine:
                     self._fail(seq.request_id, "the model's logits hold NaN or infinite values")
                     break
                 with self._isolated(seq, "processing the sampled token"):
-                    self._append(seq, tokens[row], None)
+                    self._append(seq, tokens[row], step_logprobs[row])
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence], bitmask: torch.Tensor | None,
                 first_max: list[int] | None) -> tuple[list[int], list[dict[int, float] | None]]:

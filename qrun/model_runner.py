@@ -62,20 +62,22 @@ class ModelRunner:
         return self.cpu_model is not None
 
     @torch.inference_mode()
-    def decode(self, batch: ScheduledBatch, stop_token_ids: list[list[int]]) -> list[list[int]]:
+    def decode(self, batch: ScheduledBatch, stop_token_ids: list[list[int]]
+               ) -> tuple[list[list[int]], list[list[dict[int, float] | None]]]:
         """Run `batch.steps` decode steps of its sequences (one token each) back to back in the C++
         model (`CpuModel.decode`), which picks their tokens as `sample` would (`RunSampling`) and
         ends the run with the step where a sequence samples one of its `stop_token_ids`; the
-        tokens, a list per step."""
+        tokens and their logprobs (None where a sequence asks for none), a list per step."""
         self.copy_blocks(batch.block_copies)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         layout = StepLayout.of([(start, start + batch.steps) for start in starts],
                                [seq.block_table for seq in batch.seqs], self.block_size)
         ids = [seq.tokens_between(start, start + 1)[0] for seq, start in zip(batch.seqs, starts)]
         sampling = RunSampling(batch.seqs, batch.steps, self.vocab_size, self.device)
-        decoded = self.cpu_model.decode(ids, starts, layout, batch.steps, sampling.arguments, stop_token_ids)
+        decoded, logprobs = self.cpu_model.decode(ids, starts, layout, batch.steps, sampling.arguments,
+                                                  stop_token_ids)
         sampling.rewind(len(decoded))
-        return decoded
+        return decoded, sampling.logprobs(decoded, *logprobs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from qrun.kernels import ops_for
-from qrun.kernels.draw import at_infinity
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import Sequence
 from qrun.structured_outputs import apply_bitmask
@@ -64,7 +63,7 @@ class RunSampling:
     """How a run of decode steps picks its sequences' tokens itself (the C++ model's decode, which
     takes `arguments`): each sequence's draw arguments (`draw_params`) and its uniforms of every
     step, drawn up front as the steps' `sample` calls would draw them; its penalties, with its
-    tokens where it has any."""
+    tokens where it has any; how many alternatives its logprobs report (-1: no logprobs)."""
 
     def __init__(self, seqs: list[Sequence], steps: int, vocab: int, device: torch.device):
         temperature, top_k, top_p, min_p = draw_params(seqs, vocab)
@@ -76,17 +75,27 @@ class RunSampling:
         params = [seq.params for seq in seqs]
         penalised = [_penalised(p) for p in params]
         # temperature (0: greedy), top_k, top_p, min_p a sequence; uniforms [steps, B] ([0, B] where all are
-        # greedy); repetition, presence and frequency penalties; a penalised sequence's tokens and prompt length
+        # greedy); repetition, presence and frequency penalties; a penalised sequence's tokens and prompt length;
+        # logprobs' alternatives
         self.arguments = (temperature, top_k, top_p, min_p, drawn, [p.repetition_penalty for p in params],
                           [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
                           [seq.token_ids if pen else [] for seq, pen in zip(seqs, penalised)],
-                          [len(seq.prompt_token_ids) if pen else 0 for seq, pen in zip(seqs, penalised)])
+                          [len(seq.prompt_token_ids) if pen else 0 for seq, pen in zip(seqs, penalised)],
+                          [-1 if p.logprobs is None else p.logprobs for p in params])
+        self._logprob_counts = [p.logprobs for p in params]
 
     @staticmethod
     def greedy_arguments(rows: int) -> tuple:
         """`arguments` of `rows` greedy sequences without penalties."""
         return ([0.0] * rows, [1] * rows, [1.0] * rows, [0.0] * rows, torch.empty(0, rows, dtype=torch.float64),
-                [1.0] * rows, [0.0] * rows, [0.0] * rows, [[] for _ in range(rows)], [0] * rows)
+                [1.0] * rows, [0.0] * rows, [0.0] * rows, [[] for _ in range(rows)], [0] * rows, [-1] * rows)
+
+    def logprobs(self, decoded: list[list[int]], chosen: torch.Tensor, top_values: torch.Tensor,
+                 top_ids: torch.Tensor) -> list[list[dict[int, float] | None]]:
+        """Each step's logprobs of the run's sequences (`logprob_entries`), from the C++ model's decode:
+        its tokens a list per step, and `top_logprobs`' outputs a row per step."""
+        return [logprob_entries(tokens, self._logprob_counts, *found)
+                for tokens, *found in zip(decoded, chosen, top_values, top_ids)]
 
     def rewind(self, steps_run: int) -> None:
         """For a run that ended after `steps_run` of its steps (a sequence's logits not finite): the
@@ -100,9 +109,9 @@ class RunSampling:
 
 def samples_in_runs(seq: Sequence) -> bool:
     """Whether the C++ model can pick `seq`'s next tokens itself, run after run (ModelRunner.decode):
-    no logprobs, no held-back stop tokens, no grammar; temperature, top-k/p, min-p and penalties
-    it applies as `sample` does."""
-    return seq.params.logprobs is None and not _held_back_or_constrained(seq)
+    no held-back stop tokens, no grammar; temperature, top-k/p, min-p, penalties and logprobs it
+    applies as `sample` does."""
+    return not _held_back_or_constrained(seq)
 
 
 def _penalised(p: SamplingParams) -> bool:
@@ -155,18 +164,31 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
 
 
 def _logprobs(logits: torch.Tensor, params, tokens: list[int]) -> list[dict[int, float] | None]:
-    wanted = [p.logprobs is not None for p in params]
-    if not any(wanted):
+    counts = [p.logprobs for p in params]
+    asked = [row for row, count in enumerate(counts) if count is not None]
+    if not asked:
         return [None] * len(params)
-    rows = [i for i, w in enumerate(wanted) if w]
-    logprobs = at_infinity(logits[rows]).log_softmax(dim=-1)
-    most = max(params[i].logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(max(most, 1), dim=-1) if most else (None, None)
-    result: list[dict[int, float] | None] = [None] * len(params)
-    for j, i in enumerate(rows):
-        entry = {tokens[i]: float(logprobs[j, tokens[i]])}
-        for k in range(params[i].logprobs):
-            if top_values[j, k] > float("-inf"):  # a token a grammar forbids is no alternative
-                entry.setdefault(int(top_ids[j, k]), float(top_values[j, k]))
-        result[i] = entry
-    return result
+    found = ops_for(logits.device).top_logprobs(
+        logits[asked], torch.tensor([tokens[row] for row in asked], device=logits.device),
+        max(counts[row] for row in asked))
+    entries = iter(logprob_entries([tokens[row] for row in asked], [counts[row] for row in asked], *found))
+    return [None if count is None else next(entries) for count in counts]
+
+
+def logprob_entries(tokens: list[int], counts: list[int | None], chosen: torch.Tensor, top_values: torch.Tensor,
+                    top_ids: torch.Tensor) -> list[dict[int, float] | None]:
+    """Each row's logprobs as a sequence reports them: its token's, then those of up to counts[row]
+    likeliest others (None where counts[row] is None: not asked for), from `top_logprobs`' outputs
+    (`kernels/logprobs.py`) for the rows' `tokens`."""
+    entries: list[dict[int, float] | None] = []
+    for token, count, value, values, ids in zip(tokens, counts, chosen.tolist(), top_values.tolist(),
+                                                top_ids.tolist()):
+        if count is None:
+            entries.append(None)
+            continue
+        entry = {token: value}
+        for alternative, alternative_id in zip(values[:count], ids[:count]):
+            if alternative > float("-inf"):  # a token a grammar forbids is no alternative
+                entry.setdefault(alternative_id, alternative)
+        entries.append(entry)
+    return entries

@@ -264,7 +264,7 @@ def test_a_run_of_decode_steps_gives_the_tokens_and_cache_of_steps_fed_their_own
         stepped_cache = [t.clone() for t in runner.kv_cache.tensors()]
         random_cache(runner.kv_cache, torch.Generator().manual_seed(batch))
         layout = StepLayout.of([(p, p + steps) for p in starts], tables, block_size)
-        decoded = runner.cpu_model.decode(first_ids, starts, layout, steps, draws)
+        decoded, _ = runner.cpu_model.decode(first_ids, starts, layout, steps, draws)
     assert decoded == one_at_a_time
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_cache.tensors(), stepped_cache))
 
@@ -279,10 +279,10 @@ def test_a_run_of_decode_steps_ends_with_the_step_whose_logits_are_not_finite(ti
         runner.model.embed_tokens.weight[6] = float("nan")  # the middle row's first token
         logits, first = runner.cpu_model.step([5, 6, 7], [0, 0, 0], StepLayout.of([(0, 1)] * 3, [[1], [2], [3]],
                                                                                     runner.block_size))
-        assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4) == [first]
+        assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4)[0] == [first]
         drawn = draw_cpu(logits[:1], torch.tensor([0.8]), torch.tensor([256]), torch.tensor([0.9]), torch.zeros(1),
                          uniforms[0, :1]).item()
-        assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4, draws) == [[drawn, -1, first[2]]]
+        assert runner.cpu_model.decode([5, 6, 7], [0, 0, 0], layout, 4, draws)[0] == [[drawn, -1, first[2]]]
     assert first[1] == -1 and -1 not in (first[0], first[2])
 
 
@@ -290,40 +290,43 @@ def test_a_run_of_decode_steps_ends_with_the_step_where_a_row_samples_one_of_its
     runner = engine(tiny_llama64_dir).engine.runner
     layout = StepLayout.of([(0, 6)] * 2, [[1], [2]], runner.block_size)
     with torch.inference_mode():
-        full = runner.cpu_model.decode([5, 9], [0, 0], layout, 6)
+        full, _ = runner.cpu_model.decode([5, 9], [0, 0], layout, 6)
         stop = full[3][1]
         ends = next(step for step, tokens in enumerate(full) if tokens[1] == stop)
-        assert runner.cpu_model.decode([5, 9], [0, 0], layout, 6, stop_token_ids=[[], [stop]]) == full[:ends + 1]
-        assert runner.cpu_model.decode([5, 9], [0, 0], layout, 6, stop_token_ids=[[], [-7]]) == full
+        assert runner.cpu_model.decode([5, 9], [0, 0], layout, 6, stop_token_ids=[[], [stop]])[0] == full[:ends + 1]
+        assert runner.cpu_model.decode([5, 9], [0, 0], layout, 6, stop_token_ids=[[], [-7]])[0] == full
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
-def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_sampled_and_penalised(
+def test_runs_of_decode_steps_give_the_outputs_of_single_steps_greedy_sampled_penalised_and_with_logprobs(
         tiny_llama64_dir, kv_cache_dtype):
     single = engine(tiny_llama64_dir, num_scheduler_steps=1, kv_cache_dtype=kv_cache_dtype)
     runs = engine(tiny_llama64_dir, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (9,), generator=g)]
     # lengths, stop tokens, stop strings and EOS end sequences inside runs; sampled rows (seeded, so that both
-    # engines draw the same) beside greedy ones
+    # engines draw the same) beside greedy ones; logprobs, of the token alone and with alternatives, beside none
     sampled = [dict(temperature=0), dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, seed=2),
                dict(temperature=1.2, top_k=12, min_p=0.05, seed=3), dict(temperature=0, repetition_penalty=1.3),
                dict(temperature=0.8, presence_penalty=0.7, frequency_penalty=1.1, repetition_penalty=0.8, seed=4)]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=i % 2 == 0, stop_token_ids=[int(m) % 256] if i % 3 == 0
-                             else None, stop=["e"] if i % 4 == 1 else None, **sampled[i % len(sampled)])
+                             else None, stop=["e"] if i % 4 == 1 else None, logprobs=[None, 0, 4][i % 3],
+                             **sampled[i % len(sampled)])
               for i, m in enumerate(torch.randint(2, 60, (9,), generator=g))]
     calls = []
     decode = runs.engine.runner.decode
-    runs.engine.runner.decode = lambda batch, stops: calls.append(batch.steps) or decode(batch, stops)
+    runs.engine.runner.decode = lambda batch, stops: calls.append(
+        (batch.steps, any(seq.params.logprobs is not None for seq in batch.seqs))) or decode(batch, stops)
 
     def outputs(llm: LLM) -> list[tuple]:  # the batch, then its first request alone
         done = llm.generate(prompts, params, progress=False) + llm.generate(prompts[:1], params[:1], progress=False)
-        return [(o.token_ids, o.text, o.finish_reason) for o in done]
+        return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in done]
 
     expected = outputs(single)
     assert outputs(runs) == expected
     assert "".join(runs.stream(prompts[1], params[1])) == expected[1][1]  # deltas of several tokens
-    assert calls and max(calls) > 2  # a lone sequence ran its steps in runs
+    assert calls and max(calls)[0] > 2  # a lone sequence ran its steps in runs
+    assert any(steps > 2 and logprobs for steps, logprobs in calls)
     blocks = runs.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
 

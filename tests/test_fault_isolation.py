@@ -176,14 +176,14 @@ def test_a_non_finite_row_in_a_run_of_decode_steps_fails_only_its_request(tiny_l
         decode = engine.runner.decode
 
         def faulty_decode(batch, stop_token_ids):
-            decoded = decode(batch, stop_token_ids)
+            decoded, logprobs = decode(batch, stop_token_ids)
             runs.append(len(decoded))
             bad = [row for row, seq in enumerate(batch.seqs) if is_bad(seq)]
             if bad and len(decoded) > 2:  # as the C++ model reports it: the run ends with that step
                 for row in bad:
                     decoded[1][row] = -1
-                return decoded[:2]
-            return decoded
+                return decoded[:2], logprobs[:2]
+            return decoded, logprobs
 
         patch.setattr(engine.runner, "decode", faulty_decode)
 

@@ -13,8 +13,10 @@ from qrun.kernels import cpu_library
 from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cpu_argmax import first_max_cpu
 from qrun.kernels.cpu_draw import draw_cpu
+from qrun.kernels.cpu_logprobs import top_logprobs_cpu
 from qrun.kernels.draw import at_infinity, draw_ref, inverse_cdf, truncate
-from qrun.sampler import RunSampling, sample
+from qrun.kernels.logprobs import top_logprobs_ref
+from qrun.sampler import RunSampling, logprob_entries, sample
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import Sequence
 
@@ -161,6 +163,56 @@ def test_a_row_at_temperature_zero_is_not_drawn():
     args = (torch.tensor([0.0, 1.0]), torch.tensor([3, 3]), torch.ones(2), torch.zeros(2),
             torch.tensor([0.9, 0.9], dtype=torch.float64))
     assert draw_cpu(logits, *args).tolist() == draw_ref(logits, *args).tolist() == [-1, 2]
+
+
+@needs_library
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 3000), spread=st.floats(0.1, 30.0), holes=st.integers(0, 40),
+       top_n=st.integers(0, 20), seed=st.integers(0, 2**16))
+def test_the_cpu_logprobs_are_the_references_for_every_row(rows, vocab, spread, holes, top_n, seed):
+    """Tokens that a grammar forbids (-inf) among the rest, rows as wide as a vocabulary and as narrow as one token:
+    the same values to float32 rounding of a log-sum-exp, the same likeliest tokens (random logits do not tie)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * spread
+    holes_at = torch.randint(0, rows, (holes,), generator=gen), torch.randint(0, vocab, (holes,), generator=gen)
+    logits[holes_at] = -math.inf
+    logits[0, 0] = 1.0  # a finite row
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
+    top_n = min(top_n, vocab)
+    (chosen, values, ids), (expected_chosen, expected_values, expected_ids) = (
+        top_logprobs_cpu(logits, tokens, top_n), top_logprobs_ref(logits, tokens, top_n))
+    for found, expected in ((chosen, expected_chosen), (values, expected_values)):  # -inf: a forbidden token
+        finite = expected.isfinite()
+        assert torch.equal(found.isfinite(), finite) and torch.equal(found.isnan(), expected.isnan())
+        assert torch.allclose(found[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    finite = expected_values.isfinite()
+    assert torch.equal(ids[finite], expected_ids[finite])
+    assert (ids[~finite] == -1).all()  # fewer finite logits than top_n: the rest carry no token
+
+
+@needs_library
+def test_the_cpu_logprobs_take_the_limit_of_infinite_rows_and_report_nan_rows_as_nan():
+    logits = torch.tensor([[1.0, math.inf, 0.0, math.inf], [-math.inf] * 4, [0.0, math.nan, 1.0, 2.0],
+                           [0.5, 3.0, 3.0, -1.0]])
+    tokens = torch.tensor([1, 0, 2, 2])
+    entries = [logprob_entries(tokens.tolist(), [3] * 4, *top(logits, tokens, 3))
+               for top in (top_logprobs_cpu, top_logprobs_ref)]
+    half = -math.log(2)
+    assert entries[0][0] == entries[1][0] == {1: pytest.approx(half), 3: pytest.approx(half)}
+    for row in (1, 2):  # log-softmax of nothing finite, or of a NaN: NaN
+        assert all(math.isnan(v) for found in entries for v in found[row].values()) and entries[0][row].keys() == {
+            tokens[row].item()}
+    assert list(entries[0][3]) == [2, 1, 0]  # the sampled token, then the likeliest, of equal ones the lower first
+    assert entries[0][3] == pytest.approx(entries[1][3])
+    assert kernels.ops_for(torch.device("cpu")).top_logprobs is top_logprobs_cpu  # what the sampler takes here
+
+
+def test_logprob_entries_report_the_token_then_at_most_its_count_of_alternatives_never_a_forbidden_one():
+    chosen, values = torch.tensor([-0.5, -2.0, -1.0]), torch.tensor([[-0.5, -1.0], [-0.25, -math.inf], [-1.0, -3.0]])
+    ids = torch.tensor([[4, 7], [2, 5], [1, 3]])
+    assert logprob_entries([4, 9, 1], [2, 2, None], chosen, values, ids) == [
+        {4: -0.5, 7: -1.0}, {9: -2.0, 2: -0.25}, None]
+    assert logprob_entries([4], [0], chosen[:1], values[:1], ids[:1]) == [{4: -0.5}]
 
 
 def test_a_runs_sampling_that_ends_early_leaves_seeded_generators_as_the_steps_run_would():
