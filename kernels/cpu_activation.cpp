@@ -7,12 +7,6 @@
 
 namespace {
 
-// qrun_silu16 of one value (the same results), for a row's last values.
-inline float silu(float x) {
-    const float t = qrun_exp_nonpositive(-std::fabs(x));
-    return (x >= 0.f ? x : x * t) / (1.f + t);
-}
-
 // As the reference rounds: the SiLU to the rows' dtype, then the product.
 template <int kind>
 void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, int64_t rows, int64_t width,
@@ -29,7 +23,7 @@ void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, 
                                qrun_gated16<kind>(qrun_load16<kind>(gate_row, i), qrun_load16<kind>(up_row, i)));
 #endif
         for (; i < width; i++) {
-            const float activated = qrun_round_value<kind>(silu(qrun_load_value<kind>(gate_row, i)));
+            const float activated = qrun_round_value<kind>(qrun_silu(qrun_load_value<kind>(gate_row, i)));
             qrun_store_value<kind>(out_row, i, activated * qrun_load_value<kind>(up_row, i));
         }
     });

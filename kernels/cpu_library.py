@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -45,8 +46,10 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp", "cpu_read.cpp",
                              "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_ops.cpp", "cpu_model.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_ops.h"))
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fopenmp", "-std=c++20", "-shared", "-fPIC",
+# QRUN_CPU_ARCH: another -march than this CPU's (native), e.g. x86-64-v3 to run the kernels' AVX2 paths on a CPU with
+# AVX-512 (with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own).
+_FLAGS = ("-O3", f"-march={os.environ.get('QRUN_CPU_ARCH', 'native')}", "-fno-math-errno", "-fassociative-math",
+          "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
 
 _lock = threading.Lock()

@@ -1,7 +1,7 @@
-// y = x W^T for 4-bit weights on x86 CPUs with AVX512-VNNI: activations quantized to int8 per
-// row and weight group (one step per group, a multiple of 32 inputs), weights' 4-bit codes multiplied by them with
-// vpdpbusd (64 unsigned x signed byte products per instruction). Layout and reasons:
-// kernels/cpu_quant_matmul.py.
+// y = x W^T for 4-bit weights on x86 CPUs with AVX512-VNNI, or AVX2: activations quantized to int8 per row and
+// weight group (one step per group, a multiple of 32 inputs), weights' 4-bit codes multiplied by them with vpdpbusd
+// (64 unsigned x signed byte products per instruction; on AVX2 vpmaddubsw and vpmaddwd, 32 products in two
+// instructions). Layout and reasons: kernels/cpu_quant_matmul.py.
 //
 // codes:   [N / 16][K / 32][4][16][4] bytes. For a tile of 16 output channels and a block of 32
 //          inputs, 4 slices of 64 bytes; in slice s, channel c's 4 bytes hold the codes of inputs
@@ -11,9 +11,12 @@
 //          w = (code - center) * scale + zero.
 // A second plane over the first k_high inputs holds the upper digits of 5-8-bit codes, its scales 16x the low
 // plane's: the two digits multiply as one 8-bit code (vpdpbusd's unsigned operand), w = (16 high + low - (16
-// high_center + center)) * scale + zero + high_zero, at the instructions of one 4-bit plane.
+// high_center + center)) * scale + zero + high_zero, at the instructions of one 4-bit plane (on AVX2 each digit on
+// its own, as vpmaddubsw's pairs of 8-bit codes could pass its int16 sums).
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -21,20 +24,20 @@
 #include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QRUN_HAS_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QRUN_HAS_AVX2_PRODUCT 1
+#endif
+#if defined(QRUN_HAS_VNNI) || defined(QRUN_HAS_AVX2_PRODUCT)
 #include <immintrin.h>
 #include <omp.h>
-#define QRUN_HAS_VNNI 1
+#define QRUN_HAS_PRODUCT 1
 #endif
 
-#ifdef QRUN_HAS_VNNI
+#ifdef QRUN_HAS_PRODUCT
 namespace {
 
 constexpr int64_t TILE_N = 16, BLOCK_K = 32;
-// Rows a channel tile's block of weights is unpacked for: 6, or 4 with two input digits, where 6 rows' two sums each
-// beside the weights outgrow the 32 vector registers (the 6-bit head at 64 rows, against 6 rows before their sums ran
-// side by side: 4 rows 1.00-1.02x, 3 rows 0.96x, 5 rows 0.89x).
-template <bool two_digits>
-constexpr int64_t ROW_TILE = two_digits ? 4 : 6;
 // Many rows (a prefill chunk) run in blocks of about this many bytes of int8 inputs, each block over all of a thread's
 // tiles: the block stays in the core's caches while its weights stream past (512 rows, one digit: 3072 x 576 ~5%,
 // 576 x 1536 ~20% faster than all rows per tile).
@@ -71,6 +74,57 @@ struct QuantizedRows {
     std::vector<float> rounded_sums;  // [M, K / group]: the same of the rounded inputs, for the centers
 };
 
+// The calling thread's QuantizedRows, sized for `rows` rows of k inputs, reused by its next call (a decode step makes
+// ~120).
+QuantizedRows& calling_thread_rows(int64_t rows, int64_t k, int64_t groups, bool two_digits) {
+    thread_local QuantizedRows kept;
+    kept.high.resize(rows * k);
+    kept.low.resize(two_digits ? rows * k : 0);
+    kept.steps.resize(rows * groups);
+    kept.group_sums.resize(rows * groups);
+    kept.rounded_sums.resize(rows * groups);
+    return kept;  // the caller's: a parallel region's threads naming `kept` would get their own
+}
+
+// One plane of weights in the layout above: [n, k] in groups of `group` inputs.
+struct Weights {
+    const uint8_t* codes;
+    const uint16_t* scales;
+    const uint16_t* zeros;
+    const int8_t* centers;
+    int64_t n, k, group;
+    // the upper digits of 5-8-bit codes over the first k_high inputs (null: none), their scales 16x the low ones'
+    const uint8_t* high_codes;
+    const uint16_t* high_zeros;
+    const int8_t* high_centers;
+    int64_t k_high;
+};
+
+// What a call writes (qrun_quant_matmul's y_kind): float32 sums, bfloat16 rounded once from them, or that bfloat16
+// widened back to float32 (a bfloat16 model's logits as compute_logits widens them, with no pass of its own).
+enum OutputKind { FLOAT32 = 0, BFLOAT16 = 1, BFLOAT16_WIDENED = 2 };
+
+// A plane's arrays, as qrun_dequantize_planes reads them.
+struct Plane {
+    const uint8_t* codes;
+    const uint16_t* scales;
+    const uint16_t* zeros;
+    const int8_t* centers;
+    int64_t k;
+};
+
+}  // namespace
+#endif
+
+#ifdef QRUN_HAS_VNNI
+namespace {
+
+// Rows a channel tile's block of weights is unpacked for: 6, or 4 with two input digits, where 6 rows' two sums each
+// beside the weights outgrow the 32 vector registers (the 6-bit head at 64 rows, against 6 rows before their sums ran
+// side by side: 4 rows 1.00-1.02x, 3 rows 0.96x, 5 rows 0.89x).
+template <bool two_digits>
+constexpr int64_t ROW_TILE = two_digits ? 4 : 6;
+
 // 16 inputs from float32 or bfloat16 (its upper half).
 template <typename In>
 inline __m512 load16(const In* at) {
@@ -79,19 +133,13 @@ inline __m512 load16(const In* at) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-// x's rows quantized into the calling thread's buffers, reused by its next call (a decode step makes ~120). Many
-// rows split over the threads: serial, 64 rows of 1536 inputs took ~10% of a 576 x 1536 product.
+// x's rows quantized into the calling thread's buffers (calling_thread_rows). Many rows split over the threads:
+// serial, 64 rows of 1536 inputs took ~10% of a 576 x 1536 product.
 template <typename In>
 const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group, bool two_digits,
                                    int threads) {
     const int64_t groups = k / group;
-    thread_local QuantizedRows kept;
-    QuantizedRows& q = kept;  // the caller's: a region's thread naming `kept` would get its own
-    q.high.resize(rows * k);
-    q.low.resize(two_digits ? rows * k : 0);
-    q.steps.resize(rows * groups);
-    q.group_sums.resize(rows * groups);
-    q.rounded_sums.resize(rows * groups);
+    QuantizedRows& q = calling_thread_rows(rows, k, groups, two_digits);
     qrun_parallel_for(rows, threads, rows * k >= (1 << 14), [&](int64_t m) {
         for (int64_t g = 0; g < groups; g++) {
             const In* inputs = x + m * ldx + g * group;
@@ -133,20 +181,6 @@ inline __m512 load_halves(const uint16_t* at) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// One plane of weights in the layout above: [n, k] in groups of `group` inputs.
-struct Weights {
-    const uint8_t* codes;
-    const uint16_t* scales;
-    const uint16_t* zeros;
-    const int8_t* centers;
-    int64_t n, k, group;
-    // the upper digits of 5-8-bit codes over the first k_high inputs (null: none), their scales 16x the low ones'
-    const uint8_t* high_codes;
-    const uint16_t* high_zeros;
-    const int8_t* high_centers;
-    int64_t k_high;
-};
-
 // 16 floats -> bfloat16 bits, rounded to nearest even as qrun_bfloat16_bits (NaN too: 0x7FC0); one instruction with
 // AVX512-BF16 (whose conversion flushes denormals, which neither weights nor sums here are).
 inline __m256i to_bfloat16(__m512 values) {
@@ -157,10 +191,6 @@ inline __m256i to_bfloat16(__m512 values) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(qrun_round16<QRUN_BF16>(values)), 16));
 #endif
 }
-
-// What a call writes (qrun_quant_matmul's y_kind): float32 sums, bfloat16 rounded once from them, or that bfloat16
-// widened back to float32 (a bfloat16 model's logits as compute_logits widens them, with no pass of its own).
-enum OutputKind { FLOAT32 = 0, BFLOAT16 = 1, BFLOAT16_WIDENED = 2 };
 
 // Where a call writes: y [rows, n] with row stride ldy, of its kind. Or, where gate_tiles is set (n = 2 x 16
 // gate_tiles), gated: y [rows, n / 2] = silu(gate) * up of the product's first n / 2 channels (the gates) and its last
@@ -293,6 +323,295 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
         for (int r = 0; r < R; r++) out.store(m0 + r, tiles[t], total[t][r]);
 }
 
+// The weights of channel tile `tile` in block b of `plane` (groups of `group` inputs), 16 channels a vector:
+// values[i] holds input 32 b + i. As cpu_quant_matmul.py's unpack, the product with the scale and the sum with the
+// zero each rounded (no fused multiply-add: the exact float weights the reference gives).
+void dequantize_tile_block(const Plane& plane, int64_t group, int64_t tile, int64_t b, __m512 values[BLOCK_K]) {
+    const int64_t blocks = plane.k / BLOCK_K, at = (tile * (plane.k / group) + b * BLOCK_K / group) * TILE_N;
+    const __m512 scale = load_halves(plane.scales + at), zero = load_halves(plane.zeros + at);
+    const __m512 center = _mm512_set1_ps(float(plane.centers[b]));
+    const __m512i nibble = _mm512_set1_epi32(15);
+    const uint8_t* block = plane.codes + (tile * blocks + b) * 4 * 64;
+    for (int slice = 0; slice < 4; slice++) {  // channel c's 4 bytes: inputs 8s + j (low nibbles), 8s + 4 + j (high)
+        const __m512i words = _mm512_loadu_si512(block + slice * 64);
+        for (int j = 0; j < 4; j++)
+            for (int half = 0; half < 2; half++) {
+                const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(words, 8 * j + 4 * half), nibble);
+                const __m512 product = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), center), scale);
+                values[8 * slice + 4 * half + j] = _mm512_add_ps(product, zero);
+            }
+    }
+}
+
+// Channel tile `tile`'s weights in block b, the high plane's added where it covers the block (null: none), stored as
+// bfloat16 in rows 32 b .. 32 b + 31 of out (row stride ldo): qrun_dequantize_planes' unit.
+void store_dequantized_block(const Plane& low, const Plane* high, int64_t group, int64_t tile, int64_t b,
+                             uint16_t* out, int64_t ldo) {
+    __m512 values[BLOCK_K], upper[BLOCK_K];
+    dequantize_tile_block(low, group, tile, b, values);
+    if (high) {
+        dequantize_tile_block(*high, group, tile, b, upper);
+        for (int i = 0; i < BLOCK_K; i++) values[i] = _mm512_add_ps(values[i], upper[i]);
+    }
+    for (int i = 0; i < BLOCK_K; i++)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b * BLOCK_K + i) * ldo + tile * TILE_N),
+                            to_bfloat16(values[i]));
+}
+
+// Whether each of 16 float16 scales at `high` is 16x its own at `low`.
+bool sixteen_times(const uint16_t* low, const uint16_t* high) {
+    return _mm512_cmp_ps_mask(load_halves(high), _mm512_mul_ps(load_halves(low), _mm512_set1_ps(16.f)),
+                              _CMP_EQ_OQ) == 0xFFFF;
+}
+
+}  // namespace
+#elif defined(QRUN_HAS_AVX2_PRODUCT)
+// AVX2: a tile's 16 channels as two halves of 8 lanes, and half the vector registers (16).
+namespace {
+
+// Rows a channel tile's block of weights is unpacked for: each row holds 2 halves of sums per digit of its inputs
+// beside the block's codes, in 16 registers.
+template <bool two_digits>
+constexpr int64_t ROW_TILE = two_digits ? 2 : 3;
+
+template <typename In>
+inline float load_input(const In* at) {
+    if constexpr (sizeof(In) == 4) return *at;
+    return std::bit_cast<float>(uint32_t(*at) << 16);
+}
+
+// The AVX512 path's quantize_rows, its loops left to the compiler's vectors.
+template <typename In>
+const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group, bool two_digits,
+                                   int threads) {
+    const int64_t groups = k / group;
+    QuantizedRows& q = calling_thread_rows(rows, k, groups, two_digits);
+    // an int8 digit of a rounded value in [-127, 127] (NaN, whose sums carry it to the output: 0)
+    const auto digit = [](float rounded) { return int8_t(std::fabs(rounded) <= 127.f ? rounded : 0.f); };
+    qrun_parallel_for(rows, threads, rows * k >= (1 << 14), [&](int64_t m) {
+        for (int64_t g = 0; g < groups; g++) {
+            const In* inputs = x + m * ldx + g * group;
+            float top = 0.f, sum = 0.f;
+            for (int64_t i = 0; i < group; i++) {
+                top = std::max(top, std::fabs(load_input(inputs + i)));
+                sum += load_input(inputs + i);
+            }
+            const float inverse = top > 0.f ? 127.f / top : 0.f;
+            float rounded_sum = 0.f;
+            for (int64_t i = 0; i < group; i++) {
+                const float scaled = load_input(inputs + i) * inverse, rounded = std::nearbyint(scaled);
+                const int64_t at = m * k + g * group + i;
+                q.high[at] = digit(rounded);
+                rounded_sum += rounded;
+                if (two_digits) {
+                    const float low = std::nearbyint((scaled - rounded) * LOW_STEPS);
+                    q.low[at] = digit(low);
+                    rounded_sum += low * (1.f / LOW_STEPS);
+                }
+            }
+            q.steps[m * groups + g] = top / 127.f;
+            q.rounded_sums[m * groups + g] = rounded_sum * (top / 127.f);
+            q.group_sums[m * groups + g] = sum;
+        }
+    });
+    return q;
+}
+
+// 8 float16 values as floats.
+inline __m256 load_halves(const uint16_t* at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
+// The AVX512 path's Output, its stores a value at a time (a tile's 16 sums once per row and product).
+struct Output {
+    void* y;
+    int64_t ldy;
+    OutputKind kind;
+    int64_t gate_tiles = 0;
+
+    void store(int64_t row, int64_t tile, const __m256 (&halves)[2]) const {
+        float values[TILE_N];
+        _mm256_storeu_ps(values, halves[0]);
+        _mm256_storeu_ps(values + 8, halves[1]);
+        if (gate_tiles && tile >= gate_tiles) return store_gated(row * ldy + (tile - gate_tiles) * TILE_N, values);
+        const int64_t at = row * ldy + tile * TILE_N;
+        for (int i = 0; i < TILE_N; i++)
+            if (kind == BFLOAT16)
+                qrun_store_value<QRUN_BF16>(y, at + i, values[i]);
+            else
+                static_cast<float*>(y)[at + i] = kind == BFLOAT16_WIDENED ? qrun_round_value<QRUN_BF16>(values[i])
+                                                                          : values[i];
+    }
+
+  private:
+    // the up tile's values at y[at]: silu of the gate stored there, times them
+    void store_gated(int64_t at, const float* up) const {
+        for (int i = 0; i < TILE_N; i++)
+            if (kind == BFLOAT16) {
+                const float gate = qrun_round_value<QRUN_BF16>(qrun_silu(qrun_load_value<QRUN_BF16>(y, at + i)));
+                qrun_store_value<QRUN_BF16>(y, at + i, gate * qrun_round_value<QRUN_BF16>(up[i]));
+            } else {
+                float& value = static_cast<float*>(y)[at + i];
+                value = qrun_silu(value) * up[i];
+            }
+    }
+};
+
+// The AVX512 path's tile_rows. vpdpbusd's product of four code bytes and four input bytes summed into a lane is
+// vpmaddubsw's (pairs into int16) and vpmaddwd's (pairs of those into int32): a 4-bit code times an int8 digit is at
+// most 15 x 127, so the int16 sums of a slice's two nibbles (4 products) stay below 2^15; an 8-bit code's would not,
+// so the high plane's digits sum on their own, scaled by 16 in vpmaddwd.
+template <int R, int T, bool two_digits>
+void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
+    const auto [codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers, k_high] = weights;
+    const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
+    const int64_t high_blocks = k_high / BLOCK_K, high_groups = k_high / group;
+    __m256 total[T][R][2];
+    __m256i high_dot[T][R][2], low_dot[T][R][2];  // each row's int32 sums over the group so far, by input digit
+    const uint8_t* tile_codes[T];
+    const uint8_t* tile_high_codes[T];
+    for (int t = 0; t < T; t++) {
+        tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
+        tile_high_codes[t] = high_codes + tiles[t] * high_blocks * BLOCK_K * TILE_N / 2;
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                total[t][r][h] = _mm256_setzero_ps();
+                high_dot[t][r][h] = low_dot[t][r][h] = _mm256_setzero_si256();
+            }
+    }
+    const __m256i nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+    // a slice's codes (low and high nibbles: 4 inputs each) times 8 input bytes, 4 for each nibble, in int32 lanes
+    const auto dot = [&](const __m256i (&codes)[2], int32_t first, int32_t second, __m256i scale) {
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(codes[0], _mm256_set1_epi32(first)),
+                                               _mm256_maddubs_epi16(codes[1], _mm256_set1_epi32(second)));
+        return _mm256_madd_epi16(pairs, scale);
+    };
+    const auto multiply_blocks = [&]<bool upper>(int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; b++) {
+            for (int t = 0; t < T; t++) {
+                const int64_t at = m0 * k + b * BLOCK_K;
+                const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
+                const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
+                for (int s = 0; s < 4; s++) {
+                    __m256i w[2][2], w_upper[2][2];  // [half][nibble]
+                    const uint8_t* slice = tile_codes[t] + (b * 4 + s) * 64;
+                    prefetch_ahead(slice);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slice + 32 * h));
+                        w[h][0] = _mm256_and_si256(bytes, nibbles);
+                        w[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
+                    }
+                    if constexpr (upper) {
+                        const uint8_t* high_slice = tile_high_codes[t] + (b * 4 + s) * 64;
+                        prefetch_ahead(high_slice);
+                        for (int h = 0; h < 2; h++) {
+                            const __m256i bytes =
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_slice + 32 * h));
+                            w_upper[h][0] = _mm256_and_si256(bytes, nibbles);
+                            w_upper[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
+                        }
+                    }
+                    for (int r = 0; r < R; r++)
+                        for (int h = 0; h < 2; h++) {
+                            const int32_t* digits[2] = {high + r * k / 4 + 2 * s, two_digits ? low + r * k / 4 + 2 * s
+                                                                                              : nullptr};
+                            for (int d = 0; d < (two_digits ? 2 : 1); d++) {
+                                __m256i& sums = d ? low_dot[t][r][h] : high_dot[t][r][h];
+                                sums = _mm256_add_epi32(sums, dot(w[h], digits[d][0], digits[d][1], ones));
+                                if constexpr (upper)
+                                    sums = _mm256_add_epi32(sums, dot(w_upper[h], digits[d][0], digits[d][1],
+                                                                      sixteens));
+                            }
+                        }
+                }
+            }
+            if ((b + 1) % blocks_per_group) continue;
+            const int64_t g = b / blocks_per_group;
+            const float center = upper ? centers[b] + 16.f * high_centers[b] : centers[b];
+            for (int t = 0; t < T; t++) {
+                const int64_t at = (tiles[t] * groups + g) * TILE_N;
+                prefetch_scales(scales + at);
+                prefetch_scales(zeros + at);
+                for (int h = 0; h < 2; h++) {
+                    const __m256 scale = load_halves(scales + at + 8 * h);
+                    __m256 zero = load_halves(zeros + at + 8 * h);
+                    if constexpr (upper)
+                        zero = _mm256_add_ps(zero, load_halves(high_zeros + (tiles[t] * high_groups + g) * TILE_N +
+                                                               8 * h));
+                    for (int r = 0; r < R; r++) {
+                        __m256 sum = _mm256_cvtepi32_ps(high_dot[t][r][h]);
+                        if constexpr (two_digits)
+                            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low_dot[t][r][h]),
+                                                  _mm256_set1_ps(1.f / LOW_STEPS), sum);
+                        const __m256 centred =
+                            _mm256_sub_ps(_mm256_mul_ps(sum, _mm256_set1_ps(x.steps[(m0 + r) * groups + g])),
+                                          _mm256_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
+                        total[t][r][h] = _mm256_fmadd_ps(centred, scale, total[t][r][h]);
+                        total[t][r][h] = _mm256_fmadd_ps(zero, _mm256_set1_ps(x.group_sums[(m0 + r) * groups + g]),
+                                                         total[t][r][h]);
+                        high_dot[t][r][h] = low_dot[t][r][h] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+    };
+    multiply_blocks.template operator()<true>(0, high_blocks);
+    multiply_blocks.template operator()<false>(high_blocks, blocks);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) out.store(m0 + r, tiles[t], total[t][r]);
+}
+
+// The AVX512 path's dequantize_tile_block, 8 channels of the tile at a time.
+void store_dequantized_block(const Plane& low, const Plane* high, int64_t group, int64_t tile, int64_t b,
+                             uint16_t* out, int64_t ldo) {
+    for (int h = 0; h < 2; h++) {
+        __m256 values[BLOCK_K];
+        for (int i = 0; i < BLOCK_K; i++) values[i] = _mm256_setzero_ps();
+        for (const Plane* plane : {&low, high}) {
+            if (!plane) continue;
+            const int64_t blocks = plane->k / BLOCK_K;
+            const int64_t at = (tile * (plane->k / group) + b * BLOCK_K / group) * TILE_N + 8 * h;
+            const __m256 scale = load_halves(plane->scales + at), zero = load_halves(plane->zeros + at);
+            const __m256 center = _mm256_set1_ps(float(plane->centers[b]));
+            const uint8_t* block = plane->codes + (tile * blocks + b) * 4 * 64 + 32 * h;
+            for (int slice = 0; slice < 4; slice++) {
+                const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + slice * 64));
+                for (int j = 0; j < 4; j++)
+                    for (int half = 0; half < 2; half++) {
+                        const __m256i codes =
+                            _mm256_and_si256(_mm256_srli_epi32(words, 8 * j + 4 * half), _mm256_set1_epi32(15));
+                        const __m256 product = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), center), scale);
+                        __m256& value = values[8 * slice + 4 * half + j];
+                        value = plane == &low ? _mm256_add_ps(product, zero)
+                                              : _mm256_add_ps(value, _mm256_add_ps(product, zero));
+                    }
+            }
+        }
+        for (int i = 0; i < BLOCK_K; i++) {
+            float sums[8];
+            _mm256_storeu_ps(sums, values[i]);
+            for (int c = 0; c < 8; c++)
+                out[(b * BLOCK_K + i) * ldo + tile * TILE_N + 8 * h + c] = qrun_bfloat16_bits(sums[c]);
+        }
+    }
+}
+
+// Whether each of 16 float16 scales at `high` is 16x its own at `low`.
+bool sixteen_times(const uint16_t* low, const uint16_t* high) {
+    for (int h = 0; h < 2; h++)
+        if (_mm256_movemask_ps(_mm256_cmp_ps(load_halves(high + 8 * h),
+                                             _mm256_mul_ps(load_halves(low + 8 * h), _mm256_set1_ps(16.f)),
+                                             _CMP_EQ_OQ)) != 0xFF)
+            return false;
+    return true;
+}
+
+}  // namespace
+#endif
+
+#ifdef QRUN_HAS_PRODUCT
+namespace {
+
 // The last rows of a tile (fewer than its row tile): tile_rows<left>.
 template <int R, bool two_digits>
 void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out,
@@ -375,40 +694,6 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
 }  // namespace
 #endif
 
-#ifdef QRUN_HAS_VNNI
-namespace {
-
-struct Plane {
-    const uint8_t* codes;
-    const uint16_t* scales;
-    const uint16_t* zeros;
-    const int8_t* centers;
-    int64_t k;
-};
-
-// The weights of channel tile `tile` in block b of `plane` (groups of `group` inputs), 16 channels a vector:
-// values[i] holds input 32 b + i. As cpu_quant_matmul.py's unpack, the product with the scale and the sum with the
-// zero each rounded (no fused multiply-add: the exact float weights the reference gives).
-void dequantize_tile_block(const Plane& plane, int64_t group, int64_t tile, int64_t b, __m512 values[BLOCK_K]) {
-    const int64_t blocks = plane.k / BLOCK_K, at = (tile * (plane.k / group) + b * BLOCK_K / group) * TILE_N;
-    const __m512 scale = load_halves(plane.scales + at), zero = load_halves(plane.zeros + at);
-    const __m512 center = _mm512_set1_ps(float(plane.centers[b]));
-    const __m512i nibble = _mm512_set1_epi32(15);
-    const uint8_t* block = plane.codes + (tile * blocks + b) * 4 * 64;
-    for (int slice = 0; slice < 4; slice++) {  // channel c's 4 bytes: inputs 8s + j (low nibbles), 8s + 4 + j (high)
-        const __m512i words = _mm512_loadu_si512(block + slice * 64);
-        for (int j = 0; j < 4; j++)
-            for (int half = 0; half < 2; half++) {
-                const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(words, 8 * j + 4 * half), nibble);
-                const __m512 product = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), center), scale);
-                values[8 * slice + 4 * half + j] = _mm512_add_ps(product, zero);
-            }
-    }
-}
-
-}  // namespace
-#endif
-
 // out [k, n] bfloat16 (row stride ldo) = the transpose of the weight the planes hold: the low digits' plane over all k
 // inputs, plus the high digits' over the first k_high (high_codes null: none), summed in float32 and rounded once.
 // Input-major, so each channel tile's 16 values of an input are one store (oneDNN multiplies either layout alike).
@@ -417,33 +702,25 @@ extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scal
                                       const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
                                       const uint16_t* high_zeros, const int8_t* high_centers, int64_t n, int64_t k,
                                       int64_t k_high, int64_t group, uint16_t* out, int64_t ldo, int threads) {
-#ifdef QRUN_HAS_VNNI
+#ifdef QRUN_HAS_PRODUCT
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
         return 1;
     const Plane low{codes, scales, zeros, centers, k}, high{high_codes, high_scales, high_zeros, high_centers, k_high};
     // a block of inputs' rows at a time, whole: each thread writes rows of its own
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < k / BLOCK_K; b++)
-        for (int64_t tile = 0; tile < n / TILE_N; tile++) {
-            __m512 values[BLOCK_K], upper[BLOCK_K];
-            dequantize_tile_block(low, group, tile, b, values);
-            if (high_codes && b * BLOCK_K < k_high) {
-                dequantize_tile_block(high, group, tile, b, upper);
-                for (int i = 0; i < BLOCK_K; i++) values[i] = _mm512_add_ps(values[i], upper[i]);
-            }
-            for (int i = 0; i < BLOCK_K; i++)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b * BLOCK_K + i) * ldo + tile * TILE_N),
-                                    to_bfloat16(values[i]));
-        }
+        for (int64_t tile = 0; tile < n / TILE_N; tile++)
+            store_dequantized_block(low, high_codes && b * BLOCK_K < k_high ? &high : nullptr, group, tile, b, out,
+                                    ldo);
     return 0;
 #else
     return 2;
 #endif
 }
 
-// 1 where this build has the kernel (the CPU and compiler support AVX512-VNNI).
+// 1 where this build has the kernel (the CPU and compiler support AVX512-VNNI, or AVX2 with FMA and F16C).
 extern "C" int qrun_quant_matmul_available() {
-#ifdef QRUN_HAS_VNNI
+#ifdef QRUN_HAS_PRODUCT
     return 1;
 #else
     return 0;
@@ -455,14 +732,12 @@ extern "C" int qrun_quant_matmul_available() {
 // may multiply both digits as one 8-bit code; else 0 (2: no kernel in this build).
 extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint16_t* high_scales, int64_t n,
                                               int64_t k, int64_t k_high, int64_t group) {
-#ifdef QRUN_HAS_VNNI
+#ifdef QRUN_HAS_PRODUCT
     const int64_t groups = k / group, high_groups = k_high / group;
     for (int64_t tile = 0; tile < n / TILE_N; tile++)
-        for (int64_t g = 0; g < high_groups; g++) {
-            const __m512 low = load_halves(scales + (tile * groups + g) * TILE_N);
-            const __m512 high = load_halves(high_scales + (tile * high_groups + g) * TILE_N);
-            if (_mm512_cmp_ps_mask(high, _mm512_mul_ps(low, _mm512_set1_ps(16.f)), _CMP_EQ_OQ) != 0xFFFF) return 0;
-        }
+        for (int64_t g = 0; g < high_groups; g++)
+            if (!sixteen_times(scales + (tile * groups + g) * TILE_N, high_scales + (tile * high_groups + g) * TILE_N))
+                return 0;
     return 1;
 #else
     return 2;
@@ -483,7 +758,7 @@ extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, con
                                  const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
                                  int64_t k_high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
                                  int64_t n, int64_t k, int64_t group, int input_digits, int read_streams, int threads) {
-#ifdef QRUN_HAS_VNNI
+#ifdef QRUN_HAS_PRODUCT
     if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
         y_kind < FLOAT32 || y_kind > BFLOAT16_WIDENED ||
         (gated && (n % (2 * TILE_N) || y_kind == BFLOAT16_WIDENED)) ||

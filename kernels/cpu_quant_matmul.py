@@ -1,4 +1,4 @@
-"""4-bit weight matmuls on x86 CPUs with AVX512-VNNI (cpu_quant_matmul.cpp) or AMX
+"""4-bit weight matmuls on x86 CPUs with AVX512-VNNI or AVX2 (cpu_quant_matmul.cpp) or AMX
 (cpu_quant_matmul_amx.cpp), and their torch reference.
 
 torch's int4 CPU kernel (`aten._weight_int4pack_mm_for_cpu`) converts every weight to float and
@@ -75,7 +75,16 @@ TILE_ROWS, TILED_DEQUANTIZE_ROWS = 16, 1024  # tile_rows(), dequantize_rows()
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here (the library built, on a CPU with AVX512-VNNI)."""
+    """Whether the kernel runs here (the library built, on a CPU with AVX512-VNNI, or AVX2 with FMA
+    and F16C: "the VNNI kernel" names both). On AVX2 a tile's 16 channels are two 8-lane halves and
+    vpdpbusd's sums of four byte products are vpmaddubsw's and vpmaddwd's, a 5-8-bit code's two digits
+    each on its own (its pairs of 8-bit products could pass vpmaddubsw's int16 sums); the same
+    results but for the order of float32 sums. Before it, torch's int4 kernel ran there: on this 2-core Xeon
+    with the library built for x86-64-v3 and torch's and oneDNN's kernels held to AVX2
+    (`QRUN_CPU_ARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`, float32, no AMX;
+    one-off probe, `LLM.generate`, greedy) a 4.0-bpw SmolLM2 ran a 128-token single stream at 234.0
+    tok/s against 12.8, and the first 16 requests of mixed_lengths.jsonl (64 tokens at most) at
+    195.7 against 93.9 (the dense model: 41.0 and 122.6)."""
     return cpu_library.available() and torch.ops.qrun.quant_matmul_available()
 
 
