@@ -7,7 +7,8 @@ the CPU the C++ kernels where an op has one (paged attention, decode rows and pr
 `kernels/cpu_norm.py`; rotary: `kernels/cpu_rotary.py`; the MLP's SiLU-gated activation:
 `kernels/cpu_activation.py`; the quantized cache store: `kernels/cpu_kv_store.py`; greedy
 sampling's argmax: `kernels/cpu_argmax.py`; sampling's draw: `kernels/cpu_draw.py`; logprobs:
-`kernels/cpu_logprobs.py`; built at first use by `kernels/cpu_library.py`) and
+`kernels/cpu_logprobs.py`; structured outputs' token masks: `kernels/cpu_token_bitmask.py`; built at
+first use by `kernels/cpu_library.py`) and
 the torch references for the rest, or the references alone where no C++ compiler builds them. Every
 implementation of an op shares one signature, so callers resolve the ops once (`ops_for`) and
 call them without knowing which they got (resolved once per backend: a later lookup is a
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from qrun.kernels import (cpu_activation, cpu_argmax, cpu_attention, cpu_draw, cpu_kv_store, cpu_library,
-                           cpu_logprobs, cpu_norm, cpu_rotary, cpu_rotation)
+                           cpu_logprobs, cpu_norm, cpu_rotary, cpu_rotation, cpu_token_bitmask)
 from qrun.kernels.activation import silu_and_mul_ref
 from qrun.kernels.argmax import first_max_ref
 from qrun.kernels.cache_ops import store_kv_ref, store_kv_triton
@@ -34,6 +35,7 @@ from qrun.kernels.paged_attention import paged_attention_ref, paged_attention_tr
 from qrun.kernels.dequant_matmul import dequant_matmul_ref, dequant_matmul_triton
 from qrun.kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
 from qrun.kernels.rotation import reflect, rotate, unrotate
+from qrun.kernels.token_bitmask import mask_logits_ref
 
 _CHOICES = ("auto", "torch", "triton", "cpu")
 
@@ -56,6 +58,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "draw": {"torch": draw_ref, "triton": draw_ref, "cpu": cpu_draw.draw_cpu},
     # GPUs: torch's log-softmax and top-k, a kernel each
     "top_logprobs": {"torch": top_logprobs_ref, "triton": top_logprobs_ref, "cpu": cpu_logprobs.top_logprobs_cpu},
+    # GPUs: the reference's few elementwise kernels
+    "mask_logits": {"torch": mask_logits_ref, "triton": mask_logits_ref, "cpu": cpu_token_bitmask.mask_logits_cpu},
 }
 
 

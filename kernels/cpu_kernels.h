@@ -1,7 +1,7 @@
 // The plain C++ kernels' entry points (cpu_activation.cpp, cpu_argmax.cpp, cpu_attention.cpp, cpu_draw.cpp,
 // cpu_half_gemv.cpp, cpu_int4.cpp, cpu_kv_store.cpp, cpu_logprobs.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp,
-// cpu_quant_matmul_amx.cpp, cpu_rotation.cpp), for cpu_ops.cpp, which makes them torch ops (the C++ model calls
-// those); their Python modules document the arguments. And what
+// cpu_quant_matmul_amx.cpp, cpu_rotation.cpp, cpu_token_bitmask.cpp), for cpu_ops.cpp, which makes them torch ops (the
+// C++ model calls those); their Python modules document the arguments. And what
 // the kernels share: the bfloat16 rounding, e^x, 16-float vectors, how a loop splits over the threads (a
 // step's team, else an OpenMP region).
 
@@ -378,6 +378,8 @@ extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t
 extern "C" void qrun_draw(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperature,
                           const int64_t* top_k, const float* top_p, const float* min_p, const double* uniforms,
                           int64_t* out, int threads);
+extern "C" void qrun_mask_logits(float* logits, int64_t ld, int64_t rows, int64_t vocab, const int32_t* bitmask,
+                                 int64_t words, int threads);
 extern "C" void qrun_top_logprobs(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const int64_t* tokens,
                                   int64_t top_n, float* chosen, float* top_values, int64_t* top_ids, int threads);
 extern "C" double qrun_read_sum(const float* x, int64_t n, int streams, int threads);

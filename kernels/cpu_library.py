@@ -2,10 +2,11 @@
 
 The kernels (cpu_activation.cpp, cpu_argmax.cpp, cpu_attention.cpp, cpu_draw.cpp, cpu_half_gemv.cpp,
 cpu_int4.cpp, cpu_kv_store.cpp, cpu_logprobs.cpp, cpu_norm.cpp, cpu_quant_matmul.cpp, cpu_quant_matmul_amx.cpp,
-cpu_rotary.cpp, cpu_rotation.cpp, and cpu_read.cpp, the benchmark's read-bandwidth probe) are plain C++;
-cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and, for the model's, Meta implementations), so
-eager code reaches them with one dispatch (~1.5 us for an empty op; the Python op around a ctypes call it replaces
-took ~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps each as one call.
+cpu_rotary.cpp, cpu_rotation.cpp, cpu_token_bitmask.cpp, and cpu_read.cpp, the benchmark's read-bandwidth probe)
+are plain C++; cpu_ops.cpp registers them as `torch.ops.qrun.*` (schema, CPU and, for the model's, Meta
+implementations), so eager code reaches them with one dispatch (~1.5 us for an empty op; the Python op around a
+ctypes call it replaces took ~10 us, and a decode step makes ~150 such calls) and a compiled graph keeps each as one
+call.
 cpu_model.cpp is a decoder layer's step (decode rows and prefill chunks) as one object calling them
 (`torch.classes.qrun.StepLayer`), and a model's whole step, embedding to logits, as another
 (`StepModel`: qrun/cpu_model.py). Built with the
@@ -44,7 +45,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_activation.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_draw.cpp",
                              "cpu_half_gemv.cpp", "cpu_int4.cpp", "cpu_kv_store.cpp", "cpu_logprobs.cpp",
                              "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp", "cpu_read.cpp",
-                             "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_ops.cpp", "cpu_model.cpp"))
+                             "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_token_bitmask.cpp", "cpu_ops.cpp",
+                             "cpu_model.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_ops.h"))
 # QRUN_CPU_ARCH: another -march than this CPU's (native), e.g. x86-64-v3 to run the kernels' AVX2 paths on a CPU with
 # AVX-512 (with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own).

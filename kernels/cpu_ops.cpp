@@ -386,6 +386,19 @@ at::Tensor draw(const at::Tensor& logits, const at::Tensor& temperature, const a
     return out;
 }
 
+// -inf at each token its row of the structured outputs' bitmask does not allow (kernels/cpu_token_bitmask.py).
+void mask_logits(const at::Tensor& logits, const at::Tensor& bitmask) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+                "mask_logits: logits must be float32 [rows, vocab] with contiguous rows, got ", logits.scalar_type(),
+                " ", logits.sizes());
+    TORCH_CHECK(bitmask.dim() == 2 && bitmask.size(0) == logits.size(0) && bitmask.scalar_type() == at::kInt &&
+                    bitmask.is_contiguous(),
+                "mask_logits: bitmask must be contiguous int32 [", logits.size(0), ", words], got ",
+                bitmask.scalar_type(), " ", bitmask.sizes());
+    qrun_mask_logits(logits.data_ptr<float>(), logits.stride(0), logits.size(0), logits.size(1),
+                     bitmask.data_ptr<int32_t>(), bitmask.size(1), at::get_num_threads());
+}
+
 // Each row's log-softmax at its token, and its top_n largest values with their tokens (kernels/cpu_logprobs.py).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, const at::Tensor& tokens,
                                                             int64_t top_n) {
@@ -656,6 +669,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("first_max(Tensor rows) -> Tensor");
     m.def("draw(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor uniforms) "
           "-> Tensor");
+    m.def("mask_logits(Tensor(a!) logits, Tensor bitmask) -> ()");
     m.def("top_logprobs(Tensor logits, Tensor tokens, int top_n) -> (Tensor, Tensor, Tensor)");
     m.def("read_sum(Tensor x, int streams) -> Tensor");
     m.def("multiply_adds(int rounds) -> float", &multiply_adds);  // no tensors to dispatch on: every backend's
@@ -679,6 +693,7 @@ TORCH_LIBRARY_IMPL(qrun, CPU, m) {
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("first_max", &first_max);
     m.impl("draw", &draw);
+    m.impl("mask_logits", &mask_logits);
     m.impl("top_logprobs", &top_logprobs);
     m.impl("read_sum", &read_sum);
     m.impl("half_gemv", &half_gemv);

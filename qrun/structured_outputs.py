@@ -25,6 +25,7 @@ import llguidance.torch as llg_torch
 import torch
 
 from qrun.errors import RequestError
+from qrun.kernels import ops_for
 from qrun.sampling_params import StructuredOutputsParams
 
 # Compiled grammars kept per engine: schemas repeat (one per endpoint or tool set), and a cache
@@ -119,7 +120,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     rows are untouched, so free requests cost nothing). In place."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     constrained = logits[index]
-    llg_torch.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
+    ops_for(logits.device).mask_logits(constrained, bitmask.to(logits.device))
     logits[index] = constrained
 
 

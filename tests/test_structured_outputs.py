@@ -9,9 +9,13 @@ import re
 import jsonschema
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from qrun import LLM, SamplingParams
 from qrun.errors import RequestError
+from qrun.kernels import cpu_library, ops_for
+from qrun.kernels.cpu_token_bitmask import mask_logits_cpu
+from qrun.kernels.token_bitmask import mask_logits_ref
 from qrun.sampling_params import InvalidSamplingParam, StructuredOutputsParams
 
 GREEDY = dict(temperature=0)
@@ -147,6 +151,34 @@ def test_json_object_gives_an_object(smollm2):
         assert isinstance(json.loads(out.text), dict)
     else:
         assert out.text.startswith("{")
+
+
+MASK_LOGITS = [mask_logits_ref,
+               pytest.param(mask_logits_cpu, marks=pytest.mark.skipif(not cpu_library.available(),
+                                                                      reason="the C++ kernels did not build here"))]
+
+
+@pytest.mark.parametrize("mask_logits", MASK_LOGITS)
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 300), share=st.floats(0.0, 1.0), short=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_token_mask_leaves_exactly_the_allowed_tokens(mask_logits, rows, vocab, share, short, seed):
+    """Bit t % 32 of word t // 32, the top bit (the sign) included; a mask shorter than the vocabulary
+    forbids the tokens past it."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(rows, vocab, generator=gen) < share
+    words = max(1, (vocab + 31) // 32 - short)
+    padded = torch.zeros(rows, words * 32 + 32, dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    bits = (padded[:, :words * 32].view(rows, words, 32).long() << torch.arange(32)).sum(-1)
+    bitmask = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    logits = torch.randn(rows, vocab, generator=gen)
+    mask_logits(logits, bitmask)
+    expected = allowed.clone()
+    expected[:, words * 32:] = False
+    assert torch.equal(logits.isfinite(), expected)
+    if cpu_library.available():
+        assert ops_for(torch.device("cpu")).mask_logits is mask_logits_cpu  # what the sampler takes here
 
 
 def test_logprobs_of_a_constrained_row_list_only_allowed_tokens(tiny):
