@@ -1,6 +1,6 @@
 """Decode steps on the CPU through one `torch.compile`d decoder layer, where the C++ decoder layer
 (`qrun/cpu_model.py`, the faster path) does not cover the model: quantized KV caches, heads
-without a C++ attention, 4-bit models on CPUs without AVX512-VNNI.
+without a C++ attention, 4-bit models on CPUs without AVX2.
 
 In eager mode a decoder layer costs ~50 small torch ops around its matmuls (norms, rotary, casts,
 the cache write, the rotations of a mixed-bit model): at one to a few sequences that overhead is
@@ -22,6 +22,7 @@ same layer eagerly instead of compiling in the foreground.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,6 +50,28 @@ WARM_UP_BATCHES = (1, 2, 3)
 # SmolLM2 from the fast preset has 5 structures, 10 graphs, 20 s to compile). A model with more
 # than this many runs the rest of its layers eager.
 MAX_GRAPHS = 64
+_COMPILE_THREAD = "qrun-compile"
+# While FX traces (AOTAutograd's make_fx, Inductor's pattern matcher) it patches nn.Module's __call__ and __getattr__
+# for the whole process, so an eager step in the engine's thread during the compile thread's traces called into the
+# trace instead of its modules ("NameError: module is not installed as a submodule", failing every request of the
+# step). The compile thread traces holding this lock, and steps run holding it while that thread runs.
+_TRACING = threading.RLock()
+
+
+def _trace_holding_lock(trace: Callable) -> Callable:
+    @functools.wraps(trace)
+    def trace_holding_lock(self, *args, **kwargs):
+        if threading.current_thread().name != _COMPILE_THREAD:
+            return trace(self, *args, **kwargs)
+        with _TRACING:
+            return trace(self, *args, **kwargs)
+
+    trace_holding_lock.holds_qrun_lock = True
+    return trace_holding_lock
+
+
+if not getattr(torch.fx.Tracer.trace, "holds_qrun_lock", False):
+    torch.fx.Tracer.trace = _trace_holding_lock(torch.fx.Tracer.trace)
 
 
 def can_compile(model: nn.Module, device: torch.device) -> bool:
@@ -85,7 +108,7 @@ class CompiledDecode:
     def start(self) -> threading.Thread:
         """Compile in the background; the thread sets `layer` when done."""
         self._started = True
-        self._thread = threading.Thread(target=self._compile, name="qrun-compile", daemon=True)
+        self._thread = threading.Thread(target=self._compile, name=_COMPILE_THREAD, daemon=True)
         self._thread.start()
         return self._thread
 
@@ -96,6 +119,11 @@ class CompiledDecode:
             self.start()
         if self._thread is not None:
             self._thread.join()
+
+    def apart_from_traces(self) -> contextlib.AbstractContextManager:
+        """Where a step runs (eager or compiled): while the compile thread runs, not during its traces."""
+        compiling = self._thread is not None and self._thread.is_alive()
+        return _TRACING if compiling else contextlib.nullcontext()
 
     def disable(self) -> None:
         """Run eager from now on (the compiled layer failed)."""

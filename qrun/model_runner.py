@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -79,7 +80,6 @@ class ModelRunner:
         sampling.rewind(len(decoded))
         return decoded, sampling.logprobs(decoded, *logprobs)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:
         """Run the batch; return float32 logits for the sequences that now sample a token, those
         sequences, and each row's first maximum (-1: a logit not finite) where the step found
@@ -88,6 +88,11 @@ class ModelRunner:
         A sequence samples when this step computes its last known token; a prefill chunk that
         stops short of the prompt's end only fills the cache.
         """
+        with self.compiled.apart_from_traces() if self.compiled is not None else contextlib.nullcontext():
+            return self._execute(batch)
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[int] | None]:
         self.copy_blocks(batch.block_copies)
         input_ids: list[int] = []
         spans: list[tuple[int, int]] = []

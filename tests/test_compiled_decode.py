@@ -3,6 +3,9 @@ eager when the compiler fails."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -107,3 +110,24 @@ def test_a_failing_compiled_step_falls_back_to_eager(tiny_llama_dir, monkeypatch
     expected = [out.outputs[0].token_ids for out in eager.generate(prompts, params, progress=False)]
     assert [out.outputs[0].token_ids for out in compiled.generate(prompts, params, progress=False)] == expected
     assert compiled.engine.runner.compiled.layer is None
+
+
+@needs_compiler
+def test_a_step_waits_out_a_trace_of_the_compile_thread_instead_of_failing(tiny_llama_dir, monkeypatch):
+    """While FX traces it patches nn.Module.__call__ for the whole process: a step in the engine's thread meanwhile
+    ran into the trace (NameError: module is not installed as a submodule) and failed its requests."""
+    tracing = threading.Event()
+
+    class SlowToTrace(torch.nn.Module):
+        def forward(self, x):
+            tracing.set()
+            time.sleep(1.0)  # the step starts meanwhile
+            return x + 1
+
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "_compile", lambda self: torch.fx.symbolic_trace(SlowToTrace()))
+    llm = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=False, kv_cache_memory=4_000_000)
+    thread = llm.engine.runner.compiled.start()
+    tracing.wait()
+    done = llm.generate(tiny_prompts(2), SamplingParams(max_tokens=4, **GREEDY), progress=False)
+    thread.join()
+    assert [out.outputs[0].finish_reason for out in done] == ["length", "length"]
