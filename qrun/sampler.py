@@ -86,7 +86,7 @@ class RunSampling:
 
     @staticmethod
     def greedy_arguments(rows: int) -> tuple:
-        """`arguments` of `rows` greedy sequences without penalties."""
+        """`arguments` of `rows` greedy sequences without penalties or logprobs."""
         return ([0.0] * rows, [1] * rows, [1.0] * rows, [0.0] * rows, torch.empty(0, rows, dtype=torch.float64),
                 [1.0] * rows, [0.0] * rows, [0.0] * rows, [[] for _ in range(rows)], [0] * rows, [-1] * rows)
 
@@ -94,6 +94,8 @@ class RunSampling:
                  top_ids: torch.Tensor) -> list[list[dict[int, float] | None]]:
         """Each step's logprobs of the run's sequences (`logprob_entries`), from the C++ model's decode:
         its tokens a list per step, and `top_logprobs`' outputs a row per step."""
+        if all(count is None for count in self._logprob_counts):
+            return [[None] * len(tokens) for tokens in decoded]
         return [logprob_entries(tokens, self._logprob_counts, *found)
                 for tokens, *found in zip(decoded, chosen, top_values, top_ids)]
 
