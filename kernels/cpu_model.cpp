@@ -640,8 +640,9 @@ class StepModel : public torch::CustomClassHolder {
     // which a row's logits are not finite (before penalties, as the engine checks them: that row's token -1) or a
     // row's token is one of its stop_token_ids (its sequence ends there: the steps after would be dropped) is the last.
     std::tuple<std::vector<int64_t>, at::Tensor, at::Tensor, at::Tensor> decode(
-        const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slot_mapping,
-        const std::vector<int64_t>& block_tables, int64_t table_width, int64_t steps,
+        const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+        const std::vector<int64_t>& slot_mapping, const std::vector<int64_t>& block_tables, int64_t table_width,
+        int64_t steps,
         const std::vector<double>& temperature, const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
         const std::vector<double>& min_p, const at::Tensor& uniforms, const std::vector<double>& repetition_penalty,
         const std::vector<double>& presence_penalty, const std::vector<double>& frequency_penalty,
