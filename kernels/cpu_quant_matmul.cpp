@@ -486,6 +486,15 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                                                _mm256_maddubs_epi16(codes[1], _mm256_set1_epi32(second)));
         return _mm256_madd_epi16(pairs, scale);
     };
+    // a 64-byte slice's codes as [half][low nibbles, high nibbles]
+    const auto unpack = [&](const uint8_t* slice, __m256i (&w)[2][2]) {
+        prefetch_ahead(slice);
+        for (int h = 0; h < 2; h++) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slice + 32 * h));
+            w[h][0] = _mm256_and_si256(bytes, nibbles);
+            w[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
+        }
+    };
     const auto multiply_blocks = [&]<bool upper>(int64_t first, int64_t last) {
         for (int64_t b = first; b < last; b++) {
             for (int t = 0; t < T; t++) {
@@ -494,27 +503,12 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
                 for (int s = 0; s < 4; s++) {
                     __m256i w[2][2], w_upper[2][2];  // [half][nibble]
-                    const uint8_t* slice = tile_codes[t] + (b * 4 + s) * 64;
-                    prefetch_ahead(slice);
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slice + 32 * h));
-                        w[h][0] = _mm256_and_si256(bytes, nibbles);
-                        w[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
-                    }
-                    if constexpr (upper) {
-                        const uint8_t* high_slice = tile_high_codes[t] + (b * 4 + s) * 64;
-                        prefetch_ahead(high_slice);
-                        for (int h = 0; h < 2; h++) {
-                            const __m256i bytes =
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_slice + 32 * h));
-                            w_upper[h][0] = _mm256_and_si256(bytes, nibbles);
-                            w_upper[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
-                        }
-                    }
-                    for (int r = 0; r < R; r++)
-                        for (int h = 0; h < 2; h++) {
-                            const int32_t* digits[2] = {high + r * k / 4 + 2 * s, two_digits ? low + r * k / 4 + 2 * s
-                                                                                              : nullptr};
+                    unpack(tile_codes[t] + (b * 4 + s) * 64, w);
+                    if constexpr (upper) unpack(tile_high_codes[t] + (b * 4 + s) * 64, w_upper);
+                    for (int r = 0; r < R; r++) {
+                        const int32_t* digits[2] = {high + r * k / 4 + 2 * s,
+                                                    two_digits ? low + r * k / 4 + 2 * s : nullptr};
+                        for (int h = 0; h < 2; h++)
                             for (int d = 0; d < (two_digits ? 2 : 1); d++) {
                                 __m256i& sums = d ? low_dot[t][r][h] : high_dot[t][r][h];
                                 sums = _mm256_add_epi32(sums, dot(w[h], digits[d][0], digits[d][1], ones));
@@ -522,7 +516,7 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                                     sums = _mm256_add_epi32(sums, dot(w_upper[h], digits[d][0], digits[d][1],
                                                                       sixteens));
                             }
-                        }
+                    }
                 }
             }
             if ((b + 1) % blocks_per_group) continue;
