@@ -219,7 +219,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         ops = ops_for(torch.device(device))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # the loader assigns every weight: no random init (on the meta device the embedding's normal_ imports
+        # torch._dynamo, ~1.3 s of a load)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

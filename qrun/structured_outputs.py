@@ -21,7 +21,6 @@ import json
 from collections import OrderedDict
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from qrun.errors import RequestError
@@ -49,7 +48,7 @@ class Matcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens the grammar allows next into row `row` of a step's bitmask."""
-        llg_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        _fill_bitmask(self._matcher, bitmask, row)
 
     def advance(self, token: int) -> None:
         """Consume the sampled token. A token outside the mask (a stop token the grammar does not
@@ -108,11 +107,20 @@ class GrammarCompiler:
         # first mask now, so the request fails here rather than producing garbage later.
         probe = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         mask = self.bitmask(1)
-        llg_torch.fill_next_token_bitmask(probe, mask, 0)
+        _fill_bitmask(probe, mask, 0)
         if probe.is_error() or not (mask != 0).any() and not probe.is_accepting():
             raise StructuredOutputError(field, "matches no output at all" +
                                         (f" ({_first_line(probe.get_error())})" if probe.is_error() else ""))
         return grammar
+
+
+def _fill_bitmask(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """`llguidance.torch.fill_next_token_bitmask`, without importing that module: its import loads
+    torch.compile's machinery for a kernel qrun does not use (~1.8 s of every `import qrun`)."""
+    words = bitmask[row]
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not words.is_contiguous():
+        raise ValueError("a grammar's bitmask is a contiguous int32 CPU tensor")
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

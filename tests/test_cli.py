@@ -197,3 +197,17 @@ def test_help_and_version_import_neither_torch_nor_triton():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_loading_and_generating_leave_torch_compile_unimported(tiny_llama64_dir):
+    # torch._dynamo takes 1.3-1.8 s to import, which every `qrun` command paid; the C++ steps never need it
+    probe = (f"import sys\nfrom qrun import LLM, SamplingParams\n"
+             f"llm = LLM({str(tiny_llama64_dir)!r}, kv_cache_memory=8 << 20, device='cpu')\n"
+             "llm.generate(['hello'], SamplingParams(max_tokens=4), progress=False)\n"
+             "print('torch._dynamo' in sys.modules, llm.engine.runner.cpu_model is not None)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    dynamo_imported, cpp_steps = result.stdout.strip().splitlines()[-1].split()
+    if cpp_steps == "False":
+        pytest.skip("no C++ steps here: decode steps compile")
+    assert dynamo_imported == "False"
