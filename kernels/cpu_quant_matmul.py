@@ -101,7 +101,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tupl
     n, k = codes.shape
     groups = scales.shape[1]
     per_group = codes.view(n, groups, -1)
-    centers = (per_group.amin(dim=(0, 2)) + per_group.amax(dim=(0, 2)) + 1) // 2
+    centers = (per_group.amin(dim=(0, 2)).int() + per_group.amax(dim=(0, 2)).int() + 1) // 2  # codes may be uint8
     # tile, channel, block, slice, nibble, j
     nibbles = codes.to(torch.uint8).view(n // TILE_N, TILE_N, k // BLOCK_K, 4, 2, 4)
     packed = (nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()

@@ -22,6 +22,9 @@ def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     chunks = total // bits
     w64 = words.to(torch.int64).reshape(chunks, bits, n) & 0xFFFFFFFF
     mask = (1 << bits) - 1
+    if 32 % bits == 0:  # no code crosses a word: every shift at once (a load unpacks whole matrices)
+        shifts = torch.arange(0, 32, bits, device=words.device).view(1, 1, -1, 1)
+        return ((w64.unsqueeze(2) >> shifts) & mask).reshape(chunks * CHUNK, n)
     out = torch.empty(chunks, CHUNK, n, dtype=torch.int64, device=words.device)
     for j in range(CHUNK):
         w, s = divmod(j * bits, 32)

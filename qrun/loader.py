@@ -352,9 +352,10 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
         from qrun.quant import prepare_quantized_linears, share_input_rotations
 
         share_input_rotations(net)
-        prepare_quantized_linears(net)
     if fuse_projections:
         net.fuse_projections()
+    if quantized:
+        prepare_quantized_linears(net)  # those left unfused: a fused matmul is built whole
     if cpu_dense_linears_apply(torch_device, torch_dtype):
         use_cpu_dense_linears(net)
     net.eval().requires_grad_(False)

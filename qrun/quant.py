@@ -4,7 +4,8 @@ Each QuantLinear's path is chosen once, at load (`prepare_quantized_linears` -> 
 - CPU, `QRUN_QUANT_CPU=fast` (default): `CpuQuantMatmul`: every group width runs on a 4-bit
   kernel (5-8-bit codes as two 4-bit digits): the C++ VNNI one, or torch's int4 kernel; linears
   sharing an input in the same order (q/k/v, gate/up) run as one (`QuantLinear.fuse`, called by
-  the model's `fuse_projections`).
+  the model's `fuse_projections` before the linears left unfused are prepared, so a load builds
+  each weight's CPU planes once).
 - everywhere else: the kernel table's `dequant_matmul` (`qrun.kernels.ops_for`): the Triton
   kernel on CUDA, or its torch reference (float32 dequantize, then matmul) on the torch backend:
   the CPU with `QRUN_QUANT_CPU=ref` (for checking the fast path), CUDA with `QRUN_KERNELS=torch`.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -158,22 +159,23 @@ class QuantLinear(nn.Module):
         scales = group_values(self.scales, self.scale_max, SCALE_LEVELS)
         mins = None if self.mins is None else group_values(self.mins, self.min_absmax, MIN_LEVELS)
         low, low_sz, high, high_sz = [], [], [], []
-        for gi, (b, row) in enumerate(groups):
-            codes = unpack_rows(self.qweight[row:row + g * b // 32], b)
-            s = scales[gi]
-            # the group's value with no offset: q * s + m (asym) or q * s - 2^(b-1) s (sym)
-            m = mins[gi] if mins is not None else -(1 << (b - 1)) * s
-            low.append(codes & 15)  # the kernel computes (code - 8) * scale + zero
+        for b, first, last in _runs(groups, g):
+            row = groups[first][1]
+            codes = unpack_rows(self.qweight[row:row + (last - first) * g * b // 32], b)
+            s = scales[first:last]
+            # the groups' values with no offset: q * s + m (asym) or q * s - 2^(b-1) s (sym)
+            m = mins[first:last] if mins is not None else -(1 << (b - 1)) * s
+            low.append((codes & 15).to(torch.uint8))  # the kernel computes (code - 8) * scale + zero
             low_sz.append(torch.stack([s, m + 8 * s], -1))
             if b > 4:  # the upper digit: (code >> 4) * 16 s, with s as the VNNI kernel keeps it (float16): exactly 16x
-                high.append(codes >> 4)  # the low digit's scale, so it multiplies both digits as one 8-bit code
+                high.append((codes >> 4).to(torch.uint8))  # the low digit's scale, so it multiplies both digits as one 8-bit code
                 high_sz.append(torch.stack([16 * s.half().float(), 128 * s], -1))
 
         def plane(codes, scale_zero):
             if not codes:
                 return None, None
-            stacked = torch.stack(scale_zero).repeat_interleave(g // kernel_group, 0)
-            return torch.cat(codes).T.contiguous().to(torch.int32), stacked
+            stacked = torch.cat(scale_zero).repeat_interleave(g // kernel_group, 0)
+            return torch.cat(codes).T.contiguous(), stacked
 
         low_codes, low_sz = plane(low, low_sz)
         high_codes, high_sz = plane(high, high_sz)
@@ -184,17 +186,28 @@ class QuantLinear(nn.Module):
     def fuse(linears: list["QuantLinear"]) -> nn.Module | None:
         """One CPU matmul for linears that read the same input (q/k/v, gate/up), outputs
         concatenated; None where they cannot share one (GPU kernels, differing input order)."""
-        if not all(isinstance(lin, QuantLinear) and lin.cpu_matmul is not None and not lin.rotates_input
-                   for lin in linears):
+        if not all(isinstance(lin, QuantLinear) and matmul_path(lin.qweight.device) == "cpu_int4"
+                   and not lin.rotates_input for lin in linears):
             return None
         return CpuQuantMatmul.build(linears)
+
+
+def _runs(groups: list[list[int]], group_size: int) -> Iterator[tuple[int, int, int]]:
+    """(bits, first, last) of each run of consecutive groups [first, last) that share their bits and whose packed
+    rows follow one another (qgroups' (bits, first row) pairs): each run unpacks as one block of rows."""
+    first = 0
+    for i in range(1, len(groups) + 1):
+        if i == len(groups) or groups[i][0] != groups[first][0] or (
+                groups[i][1] != groups[i - 1][1] + group_size * groups[i - 1][0] // 32):
+            yield groups[first][0], first, i
+            first = i
 
 
 @dataclass
 class _CpuParts:
     perm: torch.Tensor | None  # input column of each packed row; None: identity
     dense: torch.Tensor | None  # float32 [N, K] where the int4 kernel does not apply
-    low: tuple[torch.Tensor, torch.Tensor] | None  # int32 codes [N, K], scale/zero [K / kernel group, N, 2]
+    low: tuple[torch.Tensor, torch.Tensor] | None  # uint8 codes [N, K], scale/zero [K / kernel group, N, 2]
     high: tuple[torch.Tensor, torch.Tensor] | None  # the same for the first k_high rows' upper digits
     k_high: int
     kernel_group: int | None  # torch's int4 kernel's group: a divisor of `group` it takes
@@ -237,9 +250,7 @@ class CpuQuantMatmul(nn.Module):
             high = _vnni_plane(parts.high, parts) if parts.high else (None,) * 4
             self.planes = (*_vnni_plane(parts.low, parts), *high)
         elif parts.low is not None:
-            self.low, self.high = (None if p is None else (torch.ops.aten._convert_weight_to_int4pack_for_cpu(p[0], 1),
-                                                           p[1].to(torch.bfloat16).contiguous())
-                                   for p in (parts.low, parts.high))
+            self.low, self.high = (None if p is None else _int4_plane(p) for p in (parts.low, parts.high))
             self.dequantizes = self.low[0].shape[0] % cpu_int4.BLOCK_N == 0 and cpu_int4.layout_is_known()
 
     @staticmethod
@@ -306,6 +317,13 @@ class CpuQuantMatmul(nn.Module):
         if self.high is not None:
             cpu_int4.dequantize_int4pack(*self.high, self.kernel_group, weight[:, :self.k_high], accumulate=True)
         return weight
+
+
+def _int4_plane(plane: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plane of int4 codes as torch's int4 kernel takes it: (packed weight, bfloat16 scale/zero)."""
+    codes, scale_zero = plane
+    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
+            scale_zero.to(torch.bfloat16).contiguous())
 
 
 def _vnni_plane(plane: tuple[torch.Tensor, torch.Tensor], parts: _CpuParts) -> tuple[torch.Tensor, ...]:
