@@ -119,6 +119,26 @@ def test_truncated_written_file_is_reported_as_corrupt(tmp_path):
             open_gguf(tmp_path / "cut.gguf")
 
 
+def test_metadata_reads_as_ggufs_own_reader_reads_it(tmp_path):
+    tokens = ["", "t1", "\u00e9t\u00e9", "\U0001F600", " x" * 40] + [f"t{i}" for i in range(5, TINY["vocab"])]
+    write_gguf(tmp_path / "tiny.gguf", "llama", tiny_hf_tensors(),
+               tokenizer={"model": "gpt2", "tokens": tokens, "merges": ["t 1", "\u00e9 t"]})
+    theirs = {name: field.contents() for name, field in gguf.GGUFReader(tmp_path / "tiny.gguf").fields.items()
+              if not name.startswith("GGUF.")}
+    assert open_gguf(tmp_path / "tiny.gguf")._metadata == theirs
+    assert theirs["tokenizer.ggml.tokens"][:5] == tokens[:5]
+
+
+def test_file_cut_inside_its_vocabulary_is_reported_as_corrupt(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf", "llama", tiny_hf_tensors())
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    start = data.index(b"tokenizer.ggml.tokens")
+    for cut in range(start + 30, start + 30 + 12 * TINY["vocab"], 7):  # lengths and bytes of the strings
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="cut.gguf is truncated or corrupt"):
+            open_gguf(tmp_path / "cut.gguf")
+
+
 def test_missing_required_metadata_is_reported(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "meta.gguf"), "llama")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
