@@ -37,6 +37,21 @@ def test_written_llama_round_trips_to_hf_tensors(tmp_path, quant):
         np.testing.assert_array_equal(got[name].numpy(), want, err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_types_dequantize_as_gguf_quants_does(kind):
+    from qrun.gguf import _BLOCK_VALUES
+
+    kind_type = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(0)
+    quantized = gguf.quants.quantize(rng.standard_normal((8, 256)).astype(np.float32) * 5, kind_type)
+    raw = rng.integers(0, 256, quantized.shape, dtype=np.uint8)  # any scales: subnormal, infinite, NaN
+    for blocks in (quantized, raw):
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = gguf.quants.dequantize(blocks, kind_type).reshape(-1, 32)
+        ours = _BLOCK_VALUES[kind](torch.from_numpy(blocks.copy())).numpy()
+        assert np.array_equal(ours, expected, equal_nan=True)
+
+
 def test_q_proj_permutation_is_undone(tmp_path):
     hf = tiny_hf_tensors(seed=1)
     write_gguf(tmp_path / "tiny.gguf", "llama", hf)
