@@ -27,6 +27,12 @@ from qrun.errors import RequestError
 from qrun.kernels import ops_for
 from qrun.sampling_params import StructuredOutputsParams
 
+# Whitespace between a JSON output's tokens: none, one space, or one or two newlines and an indent of up to 20 spaces
+# or tabs (what llama.cpp's json-schema-to-grammar allows). llguidance's default admits any run, in which small
+# models loop until max_tokens (SmolLM2 at 4.0 bpw, an array of 3 booleans: "[" and then 119 tokens of spaces and
+# newlines). A schema's own "x-guidance" whitespace options take precedence.
+JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
+
 # Compiled grammars kept per engine: schemas repeat (one per endpoint or tool set), and a cache
 # this size holds a service's worth while bounding memory against clients sending new ones.
 GRAMMAR_CACHE_SIZE = 256
@@ -135,10 +141,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 def _grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params`; ValueError with a message for the client."""
     if params.json is not None:
-        schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return _json_grammar(json.loads(params.json) if isinstance(params.json, str) else params.json)
     if params.json_object:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return _json_grammar({"type": "object"})
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
@@ -148,6 +153,15 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     if "::=" in grammar:  # GBNF, as llama.cpp and vLLM's clients write it
         grammar = llguidance.gbnf_to_lark(grammar)
     return llguidance.LLMatcher.grammar_from_lark(grammar)
+
+
+def _json_grammar(schema: dict | bool) -> str:
+    """The grammar of a JSON schema, its whitespace bounded by JSON_WHITESPACE unless the schema says otherwise
+    (a boolean schema takes no options)."""
+    own = schema.get("x-guidance", {}) if isinstance(schema, dict) else None
+    keeps_own = own is None or not isinstance(own, dict) or {"whitespace_flexible", "whitespace_pattern"} & own.keys()
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults=None if keeps_own else {"whitespace_pattern": JSON_WHITESPACE})
 
 
 def _first_line(message: str) -> str:

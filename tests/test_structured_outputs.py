@@ -120,6 +120,23 @@ def test_constrained_output_survives_preemption(tiny_llama_dir, tiny):
         assert out.token_ids == tiny.generate([prompt], params, progress=False)[0].token_ids
 
 
+def test_json_whitespace_is_bounded_unless_the_schema_sets_its_own(tiny):
+    booleans = {"type": "array", "items": {"type": "boolean"}}
+
+    def accepts(schema, text):
+        ids = tiny.tokenizer.encode(text, add_special_tokens=False)
+        matcher = tiny.engine.grammar_compiler.matcher(StructuredOutputsParams(json=schema))
+        return matcher._matcher.validate_tokens(ids) == len(ids)
+
+    for text in ("[true,false]", "[true, false]", "[\n  true,\n\n\tfalse\n]", "{}"):
+        assert accepts(booleans, text) == (text != "{}")
+    for text in ("[true,  false]", "[true," + " " * 21 + "\nfalse]", "[\n\n\ntrue]"):
+        assert not accepts(booleans, text)
+        assert accepts({**booleans, "x-guidance": {"whitespace_flexible": True}}, text)
+    assert not accepts({**booleans, "x-guidance": {"whitespace_flexible": False}}, "[\n  true]")
+    assert accepts(True, "[true,   false]")  # a boolean schema takes no options
+
+
 @pytest.mark.slow
 def test_every_finished_json_output_validates_against_its_schema(smollm2):
     requests = []
