@@ -216,6 +216,7 @@ def _blocks(data: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.T
 
 
 def _halves(pairs: torch.Tensor) -> torch.Tensor:
+    """[B, 2] bytes, a float16 each row -> float32 [B, 1]."""
     return pairs.contiguous().view(torch.float16).float()
 
 
