@@ -37,17 +37,22 @@ def test_written_llama_round_trips_to_hf_tensors(tmp_path, quant):
         np.testing.assert_array_equal(got[name].numpy(), want, err_msg=name)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_block_types_dequantize_as_gguf_quants_does(kind):
+    from gguf.constants import GGML_QUANT_SIZES
+
     from qrun.gguf import _BLOCK_VALUES
 
     kind_type = gguf.GGMLQuantizationType[kind]
+    block, block_bytes = GGML_QUANT_SIZES[kind_type]
     rng = np.random.default_rng(0)
-    quantized = gguf.quants.quantize(rng.standard_normal((8, 256)).astype(np.float32) * 5, kind_type)
-    raw = rng.integers(0, 256, quantized.shape, dtype=np.uint8)  # any scales: subnormal, infinite, NaN
-    for blocks in (quantized, raw):
+    raw = rng.integers(0, 256, (8, 512 // block * block_bytes), dtype=np.uint8)  # any scales: subnormal, inf, NaN
+    cases = [raw]
+    if block == 32:  # gguf quantizes these (not the K types)
+        cases.append(gguf.quants.quantize(rng.standard_normal((8, 512)).astype(np.float32) * 5, kind_type))
+    for blocks in cases:
         with np.errstate(invalid="ignore", over="ignore"):
-            expected = gguf.quants.dequantize(blocks, kind_type).reshape(-1, 32)
+            expected = gguf.quants.dequantize(blocks, kind_type).reshape(-1, block)
         ours = _BLOCK_VALUES[kind](torch.from_numpy(blocks.copy())).numpy()
         assert np.array_equal(ours, expected, equal_nan=True)
 
