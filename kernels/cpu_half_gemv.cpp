@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -37,7 +37,11 @@ constexpr int64_t MAX_ROWS = 8;
 // pass over its weights twice, each pass converting them to float again (dense SmolLM2's C++ steps on a 2-core Xeon
 // at 5, 6 and 8 rows: 13.38, 14.65 and 19.47 ms so, against 14.96, 16.39 and 18.42 in two passes of four streams, and
 // 17.7-18.7 on oneDNN; one-off probes, each pair in one process).
+#if defined(__AVX512F__)
 constexpr int64_t MAX_SUMS = 16;
+#else
+constexpr int64_t MAX_SUMS = 8;  // AVX2's 16 vector registers hold 8 sums beside the weights and inputs
+#endif
 // A thread reads STREAMS weight rows together, each from its own part of the thread's rows: a core keeps more reads in
 // flight over several sequential streams than over one, and how many it reads fastest differs by CPU (4 vs 1: 23.5 vs
 // 19.4 GB/s reading SmolLM2's float16 weights matrix by matrix on two Xeon cores; 2 beat 4 on a 2-core EPYC), so the
@@ -75,6 +79,29 @@ void dot_channels(const uint16_t* w, const int64_t* channels, int64_t k, const f
     for (int64_t s = 0; s < STREAMS; s++)
         for (int64_t r = 0; r < ROWS; r++) sums[s * ROWS + r] = _mm512_reduce_add_ps(acc[s][r]);
     start = body;
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 acc[STREAMS][ROWS];
+    for (int64_t s = 0; s < STREAMS; s++)
+        for (int64_t r = 0; r < ROWS; r++) acc[s][r] = _mm256_setzero_ps();
+    const int64_t body = k / 8 * 8;
+    for (int64_t i = 0; i < body; i += 8)
+        for (int64_t s = 0; s < STREAMS; s++) {
+            const uint16_t* row = w + channels[s] * k;
+            if (i % 32 == 0) {  // once a 64-byte line
+                _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH_L2), _MM_HINT_T1);
+            }
+            const __m256 weights = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
+            for (int64_t r = 0; r < ROWS; r++)
+                acc[s][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * k + i), acc[s][r]);
+        }
+    for (int64_t s = 0; s < STREAMS; s++)
+        for (int64_t r = 0; r < ROWS; r++) {
+            const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(acc[s][r]), _mm256_extractf128_ps(acc[s][r], 1));
+            const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+            sums[s * ROWS + r] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+        }
+    start = body;
 #else
     for (int64_t c = 0; c < STREAMS * ROWS; c++) sums[c] = 0.f;
 #endif
@@ -107,9 +134,12 @@ void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y,
 template <int64_t ROWS>
 void half_gemv(const float* x, const uint16_t* w, const uint16_t* bias, void* y, int kind, int64_t ldy, int64_t n,
                int64_t k, int streams, int threads) {
-    if (streams == 1) return half_gemv<ROWS, 1>(x, w, bias, y, kind, ldy, n, k, threads);
-    if (streams == 2 || ROWS * 4 > MAX_SUMS) return half_gemv<ROWS, 2>(x, w, bias, y, kind, ldy, n, k, threads);
-    if constexpr (ROWS * 4 <= MAX_SUMS) half_gemv<ROWS, 4>(x, w, bias, y, kind, ldy, n, k, threads);
+    // as many of the streams asked for as the sums' registers hold
+    if constexpr (ROWS * 4 <= MAX_SUMS)
+        if (streams == 4) return half_gemv<ROWS, 4>(x, w, bias, y, kind, ldy, n, k, threads);
+    if constexpr (ROWS * 2 <= MAX_SUMS)
+        if (streams >= 2) return half_gemv<ROWS, 2>(x, w, bias, y, kind, ldy, n, k, threads);
+    half_gemv<ROWS, 1>(x, w, bias, y, kind, ldy, n, k, threads);
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 """x W^T (+ b) with a float16 W at one to eight rows on the CPU: the small-batch matmul of dense
-bfloat16 models (`qrun/cpu_linear.py` keeps a float16 copy of each weight for it).
+bfloat16 models, and of float32 ones on CPUs without native bfloat16 (`qrun/cpu_linear.py` keeps a
+float16 copy of each weight for it).
 
 At one row a linear is bound by reading W. torch's float16 GEMV (the reference below) read a
 3072 x 576 weight in ~150 us on a 2-core EPYC; `cpu_half_gemv.cpp` streams W's rows in one, two
-or four runs side by side per thread (`read_streams.py` measures which is fastest), converting 16
-values per instruction and accumulating in float32, with the inputs kept in float32 (the reference
+or four runs side by side per thread (`read_streams.py` measures which is fastest; on AVX2, with
+half AVX-512's registers, fewer at more rows), converting 16 values per instruction (8 on AVX2,
+F16C) and accumulating in float32, with the inputs kept in float32 (the reference
 rounds them to float16 first) and the output rounded once to the input's dtype (the reference
 rounds it to float16 first, then to bfloat16).
 """

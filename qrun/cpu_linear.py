@@ -1,5 +1,6 @@
 """Dense bfloat16 linears on x86 CPUs: a float16 GEMV at one or a few rows, oneDNN on a prepacked
-weight at more.
+weight at more. And float32 ones where the CPU has no native bfloat16 (`dtype="auto"` there loads
+float32): their weights rounded to float16 for the same GEMV, float32 matmuls at more rows.
 
 At one or two rows a linear is a matrix-vector product bound by reading the weight. A float16
 GEMV (float32 accumulation) reads at close to memory speed, while torch's bfloat16 matmul at one
@@ -63,9 +64,10 @@ def _onednn_linear_shape(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-def cpu_dense_linears_apply(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether dense linears of this dtype on this device run as `CpuDenseLinear`s."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
+def cpu_dense_linears_apply(device: torch.device, dtype: torch.dtype, half_weights: bool = False) -> bool:
+    """Whether dense linears of this dtype on this device run as `CpuDenseLinear`s: bfloat16 ones, and float32 ones
+    where the load holds their weights in float16 (`half_weights`)."""
+    return (device.type == "cpu" and (dtype == torch.bfloat16 or dtype == torch.float32 and half_weights)
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
@@ -77,7 +79,10 @@ def can_prepack() -> bool:
 
 class CpuDenseLinear(nn.Module):
     """y = x W^T + b, through a float16 copy of W at <= `gemv_rows` rows, W prepacked for oneDNN
-    at more (or W itself where oneDNN lacks bfloat16)."""
+    at more (or W itself where oneDNN lacks bfloat16). In a float32 model W and b are rounded to
+    float16's precision in place (so the GEMV multiplies the values more rows do), and W stays
+    float32 beside the copy: the GEMV reads half float32's bytes, oneDNN's float32 matmuls at more
+    rows run as before."""
 
     def __init__(self, linear: nn.Linear, shared: bool = False):
         """`shared`: W is also another module's (a head tied to the embedding), so it stays
@@ -89,7 +94,12 @@ class CpuDenseLinear(nn.Module):
         self.bias_f16 = None if linear.bias is None else linear.bias.detach().to(torch.float16)
         self.weight = linear.weight
         self.weight_packed = None
-        if can_prepack():
+        if linear.weight.dtype == torch.float32:
+            with torch.no_grad():
+                linear.weight.copy_(self.weight_f16)
+                if linear.bias is not None:
+                    linear.bias.copy_(self.bias_f16)
+        elif can_prepack():
             self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
             if not shared:
                 self.weight = nn.Parameter(self.weight_packed, requires_grad=False)
@@ -130,14 +140,20 @@ def max_gemv_rows(model: nn.Module) -> int:
 
 
 def use_cpu_dense_linears(model: nn.Module) -> None:
-    """Swap every dense nn.Linear of `model` for a CpuDenseLinear (the caller checks it applies)."""
+    """Swap every dense nn.Linear of `model` for a CpuDenseLinear (the caller checks it applies), but a float32 one
+    whose weights or bias float16 cannot hold (past 65504), which stays as it is."""
     references: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         references[id(param)] = references.get(id(param), 0) + 1
     for module in list(model.modules()):  # the loop replaces submodules
         for name, child in module.named_children():
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and (child.weight.dtype != torch.float32 or _fits_float16(child)):
                 setattr(module, name, CpuDenseLinear(child, shared=references[id(child.weight)] > 1))
+
+
+def _fits_float16(linear: nn.Linear) -> bool:
+    finite = torch.finfo(torch.float16).max
+    return all(bool(t.abs().max() <= finite) for t in (linear.weight, linear.bias) if t is not None and t.numel())
 
 
 def gemv_linears(model: nn.Module) -> list[CpuDenseLinear]:

@@ -1,5 +1,6 @@
 """Dense bfloat16 linears on the CPU: small batches through a float16 copy (falling back where it
-overflows), larger ones through a prepacked weight with the plain linear's exact result."""
+overflows), larger ones through a prepacked weight with the plain linear's exact result; float32
+ones (auto dtype without native bfloat16) with their weights rounded to float16."""
 
 import pytest
 import torch
@@ -90,6 +91,48 @@ def test_every_dense_linear_is_swapped_keeping_a_shared_weight_as_it_is():
         assert model[1][0].weight.is_mkldnn and torch.equal(model[1][0].weight.to_dense(), plain)
     x = torch.randn(6, 8).to(torch.bfloat16)
     torch.testing.assert_close(model[1][0](x), F.linear(x, plain, own.bias), rtol=0, atol=0)
+
+
+def test_float32_weights_are_rounded_to_float16_so_every_path_multiplies_the_same_values():
+    torch.manual_seed(0)
+    tied = nn.Embedding(50, 64)
+    head = nn.Linear(64, 50, bias=False)
+    head.weight = tied.weight
+    model = nn.Sequential(nn.Linear(64, 48), head, nn.Linear(64, 8))
+    model[2].weight.data[0, 0] = 7e4  # past float16's range: stays a float32 nn.Linear
+    original = model[0].weight.detach().clone()
+    use_cpu_dense_linears(model)
+    assert isinstance(model[0], CpuDenseLinear) and isinstance(model[1], CpuDenseLinear)
+    assert type(model[2]) is nn.Linear and model[2].weight[0, 0] == 7e4
+    dense = model[0]
+    assert dense.weight.dtype == torch.float32 and torch.equal(dense.weight, dense.weight_f16.float())
+    assert torch.equal(dense.bias, dense.bias_f16.float()) and not torch.equal(dense.weight, original)
+    assert model[1].weight is tied.weight and torch.equal(tied.weight, model[1].weight_f16.float())
+    one, many = torch.randn(1, 64), torch.randn(12, 64)
+    for x in (one, many):
+        torch.testing.assert_close(dense(x), F.linear(x, dense.weight, dense.bias), rtol=1e-5, atol=1e-5)
+    assert dense(one).dtype == torch.float32
+
+
+@pytest.mark.parametrize("native_bfloat16, dtype, swapped", [(False, "auto", True), (False, "float32", False),
+                                                              (True, "auto", True)])
+def test_auto_dtype_without_native_bfloat16_runs_float32_with_float16_weights(tiny_llama64_dir, monkeypatch,
+                                                                             native_bfloat16, dtype, swapped):
+    from qrun import LLM, SamplingParams, loader
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("CpuDenseLinears need torch's AVX2 or AVX-512 kernels")
+    monkeypatch.setattr(loader, "cpu_has_native_bfloat16", lambda: native_bfloat16)
+    llm = LLM(str(tiny_llama64_dir), dtype=dtype, device="cpu", kv_cache_memory=1 << 22)
+    model = llm.engine.runner.model
+    assert llm.engine.loaded.dtype == (torch.bfloat16 if native_bfloat16 else torch.float32)
+    assert isinstance(model.lm_head, CpuDenseLinear) == swapped
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    out = llm.generate(["hi there", "a longer prompt than that"], params, progress=False)
+    if swapped and not native_bfloat16:  # the same greedy tokens one at a time as batched
+        for prompt, batched in zip(["hi there", "a longer prompt than that"], out):
+            alone = llm.generate([prompt], params, progress=False)[0]
+            assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
 
 
 def test_the_compiled_linear_equals_the_eager_one():
