@@ -33,15 +33,51 @@ inline void store(void* y, int kind, int64_t i, float value) {
 }
 
 constexpr int64_t MAX_ROWS = 8;
+
+// One vector of float32 sums, and the float16 weights and float32 inputs it multiplies, on this ISA.
+#if defined(__AVX512F__)
+#define QRUN_HALF_LANES 1
+struct Lanes {
+    using Floats = __m512;
+    static constexpr int64_t WIDTH = 16;
+    static Floats zero() { return _mm512_setzero_ps(); }
+    static Floats halves(const uint16_t* at) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+    }
+    static Floats floats(const float* at) { return _mm512_loadu_ps(at); }
+    static Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+    static float sum(Floats v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define QRUN_HALF_LANES 1
+struct Lanes {
+    using Floats = __m256;
+    static constexpr int64_t WIDTH = 8;
+    static Floats zero() { return _mm256_setzero_ps(); }
+    static Floats halves(const uint16_t* at) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    }
+    static Floats floats(const float* at) { return _mm256_loadu_ps(at); }
+    static Floats fma(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+    static float sum(Floats v) {
+        const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+    }
+};
+#endif
+
 // The sums a thread keeps in registers, STREAMS x ROWS: past four rows it reads two streams side by side rather than
 // pass over its weights twice, each pass converting them to float again (dense SmolLM2's C++ steps on a 2-core Xeon
 // at 5, 6 and 8 rows: 13.38, 14.65 and 19.47 ms so, against 14.96, 16.39 and 18.42 in two passes of four streams, and
 // 17.7-18.7 on oneDNN; one-off probes, each pair in one process).
-#if defined(__AVX512F__)
-constexpr int64_t MAX_SUMS = 16;
+// AVX2, with half AVX-512's vector registers, keeps 8 beside the weights and inputs.
+#if defined(QRUN_HALF_LANES) && !defined(__AVX512F__)
+constexpr int64_t MAX_SUMS = 8;
 #else
-constexpr int64_t MAX_SUMS = 8;  // AVX2's 16 vector registers hold 8 sums beside the weights and inputs
+constexpr int64_t MAX_SUMS = 16;
 #endif
+
 // A thread reads STREAMS weight rows together, each from its own part of the thread's rows: a core keeps more reads in
 // flight over several sequential streams than over one, and how many it reads fastest differs by CPU (4 vs 1: 23.5 vs
 // 19.4 GB/s reading SmolLM2's float16 weights matrix by matrix on two Xeon cores; 2 beat 4 on a 2-core EPYC), so the
@@ -62,45 +98,23 @@ template <int64_t ROWS, int64_t STREAMS>
 void dot_channels(const uint16_t* w, const int64_t* channels, int64_t k, const float* x, float* sums) {
     static_assert(ROWS * STREAMS <= MAX_SUMS);
     int64_t start = 0;
-#if defined(__AVX512F__)
-    __m512 acc[STREAMS][ROWS];
+#if defined(QRUN_HALF_LANES)
+    typename Lanes::Floats acc[STREAMS][ROWS];
     for (int64_t s = 0; s < STREAMS; s++)
-        for (int64_t r = 0; r < ROWS; r++) acc[s][r] = _mm512_setzero_ps();
-    const int64_t body = k / 16 * 16;
-    for (int64_t i = 0; i < body; i += 16)
-        for (int64_t s = 0; s < STREAMS; s++) {
-            const uint16_t* row = w + channels[s] * k;
-            _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH_L2), _MM_HINT_T1);
-            const __m512 weights = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
-            for (int64_t r = 0; r < ROWS; r++)
-                acc[s][r] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + r * k + i), acc[s][r]);
-        }
-    for (int64_t s = 0; s < STREAMS; s++)
-        for (int64_t r = 0; r < ROWS; r++) sums[s * ROWS + r] = _mm512_reduce_add_ps(acc[s][r]);
-    start = body;
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-    __m256 acc[STREAMS][ROWS];
-    for (int64_t s = 0; s < STREAMS; s++)
-        for (int64_t r = 0; r < ROWS; r++) acc[s][r] = _mm256_setzero_ps();
-    const int64_t body = k / 8 * 8;
-    for (int64_t i = 0; i < body; i += 8)
+        for (int64_t r = 0; r < ROWS; r++) acc[s][r] = Lanes::zero();
+    const int64_t body = k / Lanes::WIDTH * Lanes::WIDTH;
+    for (int64_t i = 0; i < body; i += Lanes::WIDTH)
         for (int64_t s = 0; s < STREAMS; s++) {
             const uint16_t* row = w + channels[s] * k;
             if (i % 32 == 0) {  // once a 64-byte line
                 _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH), _MM_HINT_T0);
                 _mm_prefetch(reinterpret_cast<const char*>(row + i + PREFETCH_L2), _MM_HINT_T1);
             }
-            const __m256 weights = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
-            for (int64_t r = 0; r < ROWS; r++)
-                acc[s][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * k + i), acc[s][r]);
+            const typename Lanes::Floats weights = Lanes::halves(row + i);
+            for (int64_t r = 0; r < ROWS; r++) acc[s][r] = Lanes::fma(weights, Lanes::floats(x + r * k + i), acc[s][r]);
         }
     for (int64_t s = 0; s < STREAMS; s++)
-        for (int64_t r = 0; r < ROWS; r++) {
-            const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(acc[s][r]), _mm256_extractf128_ps(acc[s][r], 1));
-            const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-            sums[s * ROWS + r] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-        }
+        for (int64_t r = 0; r < ROWS; r++) sums[s * ROWS + r] = Lanes::sum(acc[s][r]);
     start = body;
 #else
     for (int64_t c = 0; c < STREAMS * ROWS; c++) sums[c] = 0.f;
