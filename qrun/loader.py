@@ -81,7 +81,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     A CPU decode step reads every weight once, so half the bytes is up to twice the speed: at
     batch 1 SmolLM2 in bfloat16 ran 1.7x float32 on an AVX512-BF16 CPU. Without native support
     bfloat16 matmuls are emulated and lose to float32, while float16 weights convert to float32 in
-    one instruction per 8 (F16C): a float16 GEMV at a few rows, widened per call at more.
+    one instruction per 8 (F16C): a float16 GEMV at a few rows, the float32 weights (the same
+    values) at more.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
