@@ -96,7 +96,8 @@ def sampling_params_from(args: argparse.Namespace, **overrides: Any) -> Sampling
 def add_placement_arguments(parser) -> None:
     """--dtype and --device (unset: None, meaning auto), for commands that load a model."""
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32)")
+                        help="compute dtype (auto: bfloat16 on GPU and on CPUs with native bfloat16, else float32 "
+                             "with dense linears' weights rounded to float16)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                         help="how the KV cache stores keys and values (auto: the compute dtype); int8 holds 1.9x "
