@@ -169,11 +169,12 @@ def run_info(args: argparse.Namespace) -> None:
     if args.gpu_memory is not None or args.gpu is not None:
         return run_info_plan(args)
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from qrun.llm_engine import EngineConfig, cache_budget
     from qrun.loader import load_model
     from qrun.kv_cache import KVCacheSpec
+    from qrun.huge_pages import resident_bytes
     from qrun.memory_plan import kv_blocks
     from qrun.quant import QuantLinear
 
@@ -181,7 +182,8 @@ def run_info(args: argparse.Namespace) -> None:
         raise UsageError("--bits and --head-bits plan a quantized model on a card: give --gpu-memory or --gpu too")
     config = EngineConfig(model=args.model, **engine_args_from(args))
     with Console(stderr=True).status(f"loading {args.model}"):
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        # Unfused, every checkpoint linear stays a module of its own to count and list.
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device, fuse_projections=False)
     model, mc = loaded.model, loaded.config
     # Quantized layers store packed integers: count their logical weights and actual bits.
     params = bits = 0.0
@@ -210,7 +212,8 @@ def run_info(args: argparse.Namespace) -> None:
     _architecture_rows(table, mc, max_len)
     table.add_row("parameters", f"{params / 1e6:,.1f} M")
     table.add_row("dtype", f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}")
-    table.add_row("weights", f"{_size(bits / 8)}, {bits / max(params, 1):.2f} bits per weight")
+    table.add_row("weights", f"{_size(bits / 8)}, {bits / max(params, 1):.2f} bits per weight; "
+                  f"held as {_size(resident_bytes(model))} on {loaded.device} (kernel layouts and copies included)")
     table.add_row("KV cache", f"{kv_tokens:,} tokens ({cache.name}) in {_size(budget)} "
                   f"({_size(cache.bytes_per_token(mc))} per token, block {config.block_size}; "
                   f"at most {config.max_num_seqs} sequences x {max_len} tokens)")
@@ -220,7 +223,9 @@ def run_info(args: argparse.Namespace) -> None:
         table.add_row("quantization", scalars or "(no scalar settings)")
     console.print(table)
     if quantized:
-        layers = Table("layer", "shape", "group", "bits per input group", "bpw", box=None, padding=(0, 2))
+        # the other columns wrap first; a layer's name too, in a narrow terminal, but is never cut
+        layer_column = Column("layer", min_width=max(len(name) for name, _ in quantized), overflow="fold")
+        layers = Table(layer_column, "shape", "group", "bits per input group", "bpw", box=None, padding=(0, 1))
         for name, module in quantized:
             runs = ", ".join(f"{b}b x {n}" for b, n in module.layout.runs())
             layers.add_row(name, f"{module.out_features}x{module.in_features}", str(module.group_size), runs,

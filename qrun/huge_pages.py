@@ -1,4 +1,5 @@
-"""A CPU model's weights moved into transparent huge pages after load.
+"""A CPU model's weights moved into transparent huge pages after load, and the memory a model's
+tensors hold (`resident_bytes`).
 
 A decode step reads every weight once, in order: a 4.0-bpw SmolLM2 ~95 MB a step, some 23,000
 pages of 4 KiB, and each page costs a TLB miss (a page walk the cores' prefetchers do not run
@@ -36,16 +37,33 @@ def huge_pages_available() -> bool:
         return False
 
 
-def _cpu_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every CPU tensor of plain layout the modules of `model` hold (parameters, buffers, attributes,
-    tuples' and lists' items), each once."""
+def held_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the modules of `model` hold (parameters, buffers, attributes, tuples' and lists'
+    items), each object once."""
     found: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for value in list(vars(module).values()) + list(module._parameters.values()) + list(module._buffers.values()):
             for item in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(item, torch.Tensor) and item.device.type == "cpu" and item.layout == torch.strided:
+                if isinstance(item, torch.Tensor):
                     found[id(item)] = item
     return list(found.values())
+
+
+def _memory_key(tensor: torch.Tensor) -> int:
+    """The address of the memory `tensor` sits in: tensors that share memory share it."""
+    return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+
+
+def _memory_bytes(tensor: torch.Tensor) -> int:
+    # an opaque (oneDNN-packed) tensor has no storage to ask: its elements are what it holds
+    return tensor.numel() * tensor.element_size() if tensor.is_mkldnn else tensor.untyped_storage().nbytes()
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of the memory `model`'s tensors sit in, each allocation once: the checkpoint's weights and
+    what a load builds beside them (the CPU paths' float16 copies, unpacked codes, prepacked matrices),
+    which no parameter list shows."""
+    return sum({_memory_key(t): _memory_bytes(t) for t in held_tensors(model) if t.device.type != "meta"}.values())
 
 
 def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
@@ -71,7 +89,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
         return 0
     tensors_by_storage: dict[int, list[torch.Tensor]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
-    for tensor in _cpu_tensors(model):
+    for tensor in held_tensors(model):
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            continue
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage
         tensors_by_storage.setdefault(storage.data_ptr(), []).append(tensor)

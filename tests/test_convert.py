@@ -71,6 +71,20 @@ def test_tiny_model_converts_loads_and_generates(converted, tiny_llama_dir):
     assert len(result[0].outputs[0].token_ids) == 5
 
 
+def test_info_lists_and_counts_every_quantized_projection(converted, capsys, monkeypatch):
+    from qrun.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # a layer's name on one line
+    out, _ = converted
+    config = json.loads((out / "config.json").read_text())
+    assert main(["info", str(out), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "1MiB"]) == 0
+    text = capsys.readouterr().out
+    listed = {line.split()[0] for line in text.splitlines() if line.lstrip().startswith("layers.")}
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fused at run time, listed as stored
+    assert listed == {f"layers.{i}.{p}" for i in range(config["num_hidden_layers"]) for p in projections}
+
+
 def _sentence_kl(orig, quant) -> float:
     """KL(orig || quant) of the next-token distributions over one sentence."""
     ids = torch.tensor(orig.tokenizer.encode("The jury said it was a fine election."))

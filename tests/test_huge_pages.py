@@ -43,6 +43,16 @@ def test_every_cpu_tensor_moves_into_one_buffer_with_its_values_and_sharing_kept
     assert model.other_device.device.type == "meta"
 
 
+def test_resident_bytes_count_each_allocation_once_opaque_packed_ones_included():
+    model = Holder()
+    # weight (tied), bias, table, codes and the views' one storage; nothing for the meta tensor
+    plain = 48 * 64 * 4 + 48 * 4 + 100 * 2 + 7 + 4 * 1000 * 4
+    assert huge_pages.resident_bytes(model) == plain
+    model.packed = torch.randn(32, 16).to_mkldnn()  # oneDNN's layout: no storage to ask
+    model.packed_param = nn.Parameter(model.packed, requires_grad=False)  # another object, the same memory
+    assert huge_pages.resident_bytes(model) == plain + 32 * 16 * 4
+
+
 def test_nothing_moves_where_the_kernel_gives_no_huge_pages(monkeypatch):
     monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: False)
     model = Holder()
