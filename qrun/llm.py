@@ -1,21 +1,23 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.stream`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat` and `LLM.stream`."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from qrun.errors import RequestFailed
+from qrun.errors import RequestError, RequestFailed
 from qrun.llm_engine import EngineConfig, LLMEngine
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
 from qrun.sources import DEFAULT_MODEL
+from qrun.tokenizer import chat_messages
 
 Prompt = str | list[int]
+Conversation = list[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 
 
 class LLM:
@@ -64,6 +66,23 @@ class LLM:
                 if request_id not in finished:
                     engine.abort(request_id)
         return [finished[request_id] for request_id in ids]
+
+    def chat(self, messages: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *, chat_template: str | None = None,
+             tools: list[dict[str, Any]] | None = None, progress: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a list of
+        them, rendered by the model's chat template (or `chat_template`, with `tools` where it writes
+        them) as `qrun chat` and the server render theirs; then `generate`, outputs in input order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for index, conversation in enumerate(conversations):
+            try:
+                checked = chat_messages(conversation)
+            except ValueError as err:
+                where = f"conversation {index}: " if len(conversations) > 1 else ""
+                raise RequestError(f"{where}{err}") from None
+            prompts.append(self.tokenizer.encode_chat(checked, template=chat_template, tools=tools))
+        return self.generate(prompts, sampling_params, progress=progress)
 
     def stream_outputs(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                        ) -> Iterator[RequestOutput]:

@@ -10,7 +10,9 @@ import shutil
 import pytest
 
 from qrun.batch_requests import BatchDefaults, prepare_request
+from qrun.errors import RequestError
 from qrun.llm import LLM
+from qrun.sampling_params import SamplingParams
 from qrun.tokenizer import chat_messages
 
 pytest.importorskip("uvicorn")
@@ -52,6 +54,7 @@ def test_chat_prompts_carry_one_bos_from_llm_cli_and_server(bos_model):
 
     cli_ids, _ = prepare_request(llm, {"messages": MESSAGES, "max_tokens": 4}, BatchDefaults())
     assert cli_ids == ids
+    assert llm.chat(MESSAGES, SamplingParams(max_tokens=1), progress=False)[0].prompt_token_ids == ids
 
     engine = AsyncLLM(str(folder), **ENGINE)
     try:
@@ -61,6 +64,24 @@ def test_chat_prompts_carry_one_bos_from_llm_cli_and_server(bos_model):
     finally:
         engine.shutdown()
     assert status == 200 and body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_llm_chat_answers_each_conversation_in_order_as_generate_does_its_prompt(bos_model):
+    folder, _ = bos_model
+    llm = LLM(str(folder), **ENGINE)
+    conversations = [MESSAGES, [{"role": "user", "content": "Count to three."}], MESSAGES[1:]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    replies = llm.chat(conversations, params, progress=False)
+    expected = llm.generate([llm.tokenizer.encode_chat(c) for c in conversations], params, progress=False)
+    assert [r.prompt_token_ids for r in replies] == [e.prompt_token_ids for e in expected]
+    assert [r.token_ids for r in replies] == [e.token_ids for e in expected]
+    # the conversation's template can be another, as in `qrun chat --template`
+    other = llm.chat(MESSAGES, params, chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+                     progress=False)
+    assert other[0].prompt_token_ids == llm.tokenizer.encode("Be terse.\nHi there\n", add_special_tokens=False)
+    with pytest.raises(RequestError, match=r"^conversation 1: messages\[0\].content: "):
+        llm.chat([MESSAGES, [{"role": "user", "content": 3}]], params, progress=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("messages, field", [
