@@ -130,12 +130,18 @@ def _fill_bitmask(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf the logits of tokens forbidden in row `rows[i]` by `bitmask[i]` (the other
-    rows are untouched, so free requests cost nothing). In place."""
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    constrained = logits[index]
-    ops_for(logits.device).mask_logits(constrained, bitmask.to(logits.device))
-    logits[index] = constrained
+    """Set to -inf the logits of tokens forbidden in row `rows[i]` (ascending) by `bitmask[i]`; the
+    other rows are untouched, so free requests cost nothing. In place, on each run of consecutive
+    rows as a view (gathering the rows and scattering them back took 0.1 ms a step at one row)."""
+    mask_logits = ops_for(logits.device).mask_logits
+    bitmask = bitmask.to(logits.device)
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and rows[end] == rows[end - 1] + 1:
+            end += 1
+        mask_logits(logits[rows[start]:rows[end - 1] + 1], bitmask[start:end])
+        start = end
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:

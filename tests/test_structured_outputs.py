@@ -17,6 +17,7 @@ from qrun.kernels import cpu_library, ops_for
 from qrun.kernels.cpu_token_bitmask import mask_logits_cpu
 from qrun.kernels.token_bitmask import mask_logits_ref
 from qrun.sampling_params import InvalidSamplingParam, StructuredOutputsParams
+from qrun.structured_outputs import apply_bitmask
 
 GREEDY = dict(temperature=0)
 
@@ -168,6 +169,23 @@ def test_json_object_gives_an_object(smollm2):
         assert isinstance(json.loads(out.text), dict)
     else:
         assert out.text.startswith("{")
+
+
+@settings(max_examples=40, deadline=None)
+@given(constrained=st.lists(st.booleans(), min_size=1, max_size=7), seed=st.integers(0, 2**16))
+def test_a_steps_bitmask_masks_its_constrained_rows_and_leaves_the_others(constrained, seed):
+    """The sampler's batch holds constrained rows anywhere among free ones; the bitmask has one row
+    per constrained row, in batch order."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, rows = 70, [row for row, flag in enumerate(constrained) if flag]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(len(constrained), vocab, generator=gen)
+    expected = logits.clone()
+    picked = expected[rows]
+    mask_logits_ref(picked, bitmask)
+    expected[rows] = picked
+    apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
 
 
 MASK_LOGITS = [mask_logits_ref,
