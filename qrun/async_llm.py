@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable
 
 from qrun.errors import EngineStopped
 from qrun.heap import HeapTrimmer
-from qrun.llm_engine import EngineConfig, LLMEngine
+from qrun.llm_engine import EngineConfig, LLMEngine, Prompt
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
 from qrun.sources import DEFAULT_MODEL
@@ -114,7 +114,7 @@ class AsyncLLM:
         return future
 
     # -- public -----------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes.
 

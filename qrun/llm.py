@@ -10,13 +10,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from qrun.errors import RequestError, RequestFailed
-from qrun.llm_engine import EngineConfig, LLMEngine
+from qrun.llm_engine import EngineConfig, LLMEngine, Prompt
 from qrun.sampling_params import SamplingParams
 from qrun.sequence import RequestOutput
 from qrun.sources import DEFAULT_MODEL
 from qrun.tokenizer import chat_messages
 
-Prompt = str | list[int]
 Conversation = list[dict[str, Any]]  # chat messages: {"role": ..., "content": ...}
 
 
@@ -34,8 +33,8 @@ class LLM:
         A request the engine fails (a fault in its own processing, or a failed forward pass of
         its step) ends with finish_reason "error" and `error` saying why; the others run on.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and not isinstance(prompts[0], (str, dict, list, tuple))):
+            prompts = [prompts]  # one prompt: text, a dict or token ids
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 import torch
 
@@ -29,6 +30,9 @@ from qrun.structured_outputs import GrammarCompiler, Matcher
 from qrun.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("qrun")
+
+# What a request's prompt may be: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Seq[int] | dict[str, Any]
 
 # Without an explicit budget the cache takes this share of the memory left after the weights.
 DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
@@ -190,18 +194,12 @@ class LLMEngine:
         return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.loaded.config.vocab_size]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.loaded.config.vocab_size - 1})")
+        text, ids = self._prompt_text_and_ids(prompt)
         if not ids:
             raise RequestError("the prompt is empty: give at least one token")
         total = len(ids) + params.max_tokens
@@ -223,6 +221,27 @@ class LLMEngine:
         request.seqs.append(self._new_sequence(request, 0))
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
+
+    def _prompt_text_and_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
+                raise RequestError(f"a prompt dict takes one key, 'prompt' (text) or 'prompt_token_ids' (ids), "
+                                   f"not {sorted(prompt, key=str)}")
+            prompt = next(iter(prompt.values()))
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        try:
+            if isinstance(prompt, (bytes, dict)):
+                raise TypeError(prompt)
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise RequestError("a prompt is text, a list of token ids, {'prompt': text} or {'prompt_token_ids': ids}; "
+                               f"got {prompt!r:.60}") from None
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return None, ids
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         generator = None

@@ -235,6 +235,29 @@ def test_empty_prompt_is_rejected(llm):
         llm.generate([[]], progress=False)
 
 
+def test_prompts_in_vllms_dict_forms_equal_text_and_ids(llm):
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    ids = llm.tokenizer.encode("Hello there")
+    as_text, as_ids = llm.generate(["Hello there", ids], params, progress=False)
+    dicts = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": tuple(ids)}], params, progress=False)
+    assert [o.token_ids for o in dicts] == [as_text.token_ids, as_ids.token_ids]
+    one = llm.generate({"prompt_token_ids": ids}, params, progress=False)  # one prompt, not its keys
+    assert len(one) == 1 and one[0].prompt_token_ids == ids and one[0].token_ids == as_ids.token_ids
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "hi", "multi_modal_data": {}}, "a prompt dict takes one key"),
+    ({"text": "hi"}, "a prompt dict takes one key"),
+    ([1.5, 2], "a prompt is text, a list of token ids"),
+    (b"hi", "a prompt is text, a list of token ids"),
+    ({"prompt_token_ids": ["a"]}, "a prompt is text, a list of token ids"),
+])
+def test_a_prompt_of_another_form_is_a_clear_error(llm, prompt, message):
+    with pytest.raises(RequestError, match=f"^{message}"):
+        llm.generate(prompt, progress=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_out_of_vocabulary_token_is_rejected(llm):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.generate([[1, 10_000]], progress=False)
