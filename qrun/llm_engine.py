@@ -493,7 +493,7 @@ class LLMEngine:
         self.num_generated_tokens += 1
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        reason = None
+        reason = stop_reason = None
         if seq.matcher is not None:
             seq.matcher.advance(token)
             if seq.matcher.finished:  # the grammar is complete: nothing more may follow
@@ -502,12 +502,15 @@ class LLMEngine:
         if reason is None and produced >= params.min_tokens:
             if token in self._stop_token_ids(seq):
                 reason = "stop"
-            elif params.stop_strings and self._cut_stop_string(seq, previous_len):
-                reason = "stop"
+                # as vLLM reports it: EOS ends a completion without a stop reason, a stop token with itself
+                stop_reason = None if token in self.eos_token_ids and not params.ignore_eos else token
+            elif params.stop_strings:
+                stop_reason = self._cut_stop_string(seq, previous_len)
+                reason = None if stop_reason is None else "stop"
         if reason is None and (produced >= params.max_tokens or len(seq) >= self.max_model_len):
             reason = "length"
         if reason:
-            seq.finish(reason)
+            seq.finish(reason, stop_reason)
             self.scheduler.finish(seq)
 
     def _stop_token_ids(self, seq: Sequence) -> list[int]:
@@ -515,17 +518,17 @@ class LLMEngine:
         return (self.eos_token_ids if not seq.params.ignore_eos else []) + (seq.params.stop_token_ids or [])
 
     @staticmethod
-    def _cut_stop_string(seq: Sequence, previous_len: int) -> bool:
-        """Truncate `seq.text` at the first stop string the newest text completes."""
+    def _cut_stop_string(seq: Sequence, previous_len: int) -> str | None:
+        """Truncate `seq.text` at the first stop string the newest text completes; return that string."""
         longest = max(len(s) for s in seq.params.stop_strings)
         search_from = max(0, previous_len - longest + 1)
         found = [(seq.text.find(s, search_from), s) for s in seq.params.stop_strings]
         found = [(i, s) for i, s in found if i >= 0]
         if not found:
-            return False
+            return None
         index, stop = min(found)
         seq.text = seq.text[:index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
-        return True
+        return stop
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -38,6 +38,12 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or "error" when the engine failed the request
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None for EOS, a grammar)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sampled tokens' logprobs summed (None where logprobs were not asked for), as vLLM's."""
+        return None if self.logprobs is None else sum(entry[t] for t, entry in zip(self.token_ids, self.logprobs))
 
 
 @dataclass
@@ -62,6 +68,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
 
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
@@ -93,6 +103,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained names of its full blocks
     text: str = ""  # output text, cut at a stop string
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict[int, float]] | None = None
@@ -128,9 +139,10 @@ class Sequence:
         self.output_token_ids.append(token_id)
         return self.detokenizer.add(token_id)
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
+        self.stop_reason = stop_reason
         self.finish_time = time.time()
 
     @property
@@ -145,7 +157,7 @@ class Sequence:
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.visible_text, list(self.output_token_ids), self.finish_reason,
-                                None if self.logprobs is None else list(self.logprobs))
+                                None if self.logprobs is None else list(self.logprobs), self.stop_reason)
 
 
 def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:

@@ -120,7 +120,7 @@ def test_stop_string_is_cut_even_when_split_across_tokens(llm):
     assert len(text) > 6
     stop = text[3:6]  # three single-byte tokens: the stop string spans several tokens
     out = llm.generate([[65, 66, 67]], SamplingParams(max_tokens=30, stop=[stop], **GREEDY), progress=False)[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.find(stop)]
     kept = llm.generate([[65, 66, 67]], SamplingParams(max_tokens=30, stop=stop, include_stop_str_in_output=True,
                                                        **GREEDY), progress=False)[0]
@@ -154,8 +154,10 @@ def test_eos_stops_unless_ignored(llm, monkeypatch):
     monkeypatch.setattr(llm.engine, "eos_token_ids", [greedy[2]])
     stopped = llm.generate([[1, 2]], SamplingParams(max_tokens=20, temperature=0), progress=False)[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == greedy[:3]
+    assert stopped.stop_reason is None  # EOS is no stop reason, as in vLLM
     ignored = llm.generate([[1, 2]], SamplingParams(max_tokens=20, **GREEDY), progress=False)[0]
-    assert ignored.finish_reason == "length" and ignored.token_ids == greedy
+    assert ignored.finish_reason == "length" and ignored.token_ids == greedy and ignored.stop_reason is None
+    assert ignored.outputs[0].cumulative_logprob is None  # no logprobs asked for
 
 
 def test_stop_token_ids_stop_generation(llm):
@@ -163,6 +165,7 @@ def test_stop_token_ids_stop_generation(llm):
     out = llm.generate([[1, 2]], SamplingParams(max_tokens=20, stop_token_ids=[greedy[4]], **GREEDY),
                        progress=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(greedy[4]) + 1]
+    assert out.stop_reason == greedy[4]
 
 
 def test_min_tokens_holds_back_stop_tokens(llm):
@@ -175,6 +178,8 @@ def test_min_tokens_holds_back_stop_tokens(llm):
 def test_logprobs_report_the_sampled_token_and_top_k(llm):
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, logprobs=3, **GREEDY), progress=False)[0]
     assert len(out.logprobs) == 6
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.outputs[0].cumulative_logprob < 0
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and len(entry) == 3  # greedy: the sampled token is the top one
         assert max(entry.values()) == entry[token] <= 0

@@ -160,6 +160,25 @@ def test_chat_matches_offline_greedy(url, offline, llm):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_stop_string_or_token_is_reported_as_the_stop_reason(url, offline):
+    text = _greedy(offline, [PROMPTS[0]], 12)[0]
+    stop = text[4:7]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    _, _, answer = request(url, "/v1/completions", body)
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["stop_reason"] == stop
+    chunks = list(client(url).completions.create(**body, stream=True))
+    assert chunks[-1].choices[0].stop_reason == stop and chunks[0].choices[0].stop_reason is None
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    token = offline.chat(messages, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                         progress=False)[0].token_ids[2]
+    _, _, answer = request(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 30,
+                                                         "temperature": 0, "stop_token_ids": [token], "ignore_eos": True})
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == token
+    _, _, answer = request(url, "/v1/completions", {**body, "stop": None, "ignore_eos": True})
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["choices"][0]["stop_reason"] is None
+
+
 def test_n_and_seed(url):
     c = client(url)
     got = c.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=3, seed=7, temperature=1.0)

@@ -160,7 +160,7 @@ class StructuredOutputs(RequestBody):
 
 class SamplingRequest(RequestBody):
     """The fields both endpoints take: OpenAI's, and qrun's extensions with vLLM's names
-    (top_k, min_p, repetition_penalty, min_tokens, ignore_eos)."""
+    (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos)."""
 
     model: str | None = Field(None, description="ignored: the server serves one model")
     user: str | None = Field(None, description="ignored")
@@ -181,6 +181,9 @@ class SamplingRequest(RequestBody):
     seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = None
     stop: Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)],
                     _one_of(f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")] | None = None
+    stop_token_ids: Annotated[list[integer(ge=0)], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="token ids that end a choice (EOS aside)")
+    include_stop_str_in_output: bool | None = Field(False, description="keep the stop string that ended a choice")
     ignore_eos: bool | None = False
     stream: bool | None = Field(False, description="answer as server-sent events")
     stream_options: StreamOptions | None = None
@@ -208,7 +211,8 @@ class SamplingRequest(RequestBody):
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, n=self.n, stop=self.stop,
                 seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logprobs=logprobs, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=self.structured_outputs_params() or constraint)
         except InvalidSamplingParam as err:  # what no field says alone: min_tokens above max_tokens
             raise ApiError(400, str(err), err.name) from None

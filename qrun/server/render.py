@@ -120,7 +120,7 @@ class CompletionRender(Render):
                 prefix = output.prompt if self.echo and output.prompt else ""
                 choices.append({"index": index * job.params.n + c.index, "text": prefix + c.text,
                                 "logprobs": self._logprobs(c.logprobs, job.params.logprobs),
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**self._header(job, self.answer_object), "choices": choices, "usage": usage(outputs)}
 
     def _delta(self, job: Job, index: int, output: RequestOutput, choice: CompletionOutput, text: str,
@@ -128,7 +128,8 @@ class CompletionRender(Render):
         if opening and self.echo and output.prompt:
             text = output.prompt + text
         return {"index": index * job.params.n + choice.index, "text": text,
-                "logprobs": self._logprobs(logprobs, job.params.logprobs), "finish_reason": choice.finish_reason}
+                "logprobs": self._logprobs(logprobs, job.params.logprobs), "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
 
 class ChatRender(Render):
@@ -169,13 +170,14 @@ class ChatRender(Render):
             message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
                        else {"role": "assistant", "content": c.text})
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
-                            "finish_reason": "tool_calls" if calls else c.finish_reason})
+                            "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
         return {**self._header(job, self.answer_object), "choices": choices, "usage": usage(outputs)}
 
     def first_chunks(self, job: Job) -> list[dict]:
         # OpenAI opens each choice with its role and empty content.
         return [{**self._header(job, self.chunk_object), "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}]}
             for i in range(job.params.n)]
 
     def _delta(self, job: Job, index: int, output: RequestOutput, choice: CompletionOutput, text: str,
@@ -187,7 +189,9 @@ class ChatRender(Render):
             if calls:  # OpenAI streams each call with its index; here each arrives whole
                 streamed = [{"index": i, **call} for i, call in enumerate(calls)]
                 return {"index": choice.index, "delta": {"tool_calls": streamed},
-                        "logprobs": self._logprobs(choice.logprobs), "finish_reason": "tool_calls"}
+                        "logprobs": self._logprobs(choice.logprobs), "finish_reason": "tool_calls",
+                        "stop_reason": choice.stop_reason}
             text, logprobs = choice.text, choice.logprobs  # held back until now
         return {"index": choice.index, "delta": {"content": text} if text else {},
-                "logprobs": self._logprobs(logprobs), "finish_reason": choice.finish_reason}
+                "logprobs": self._logprobs(logprobs), "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
