@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 # Fields a request may carry besides its prompt: the sampling flags, plus a few SamplingParams
 # fields with no flag of their own. n and logprobs change the output shape.
-REQUEST_SAMPLING_FIELDS = (*SAMPLING_FIELDS, "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+REQUEST_SAMPLING_FIELDS = (*SAMPLING_FIELDS, "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                           "logit_bias")
 # A request's structured output, in OpenAI's shape or as a bare schema.
 REQUEST_FORMAT_FIELDS = ("response_format", "json_schema")
 REQUEST_FIELDS = ("prompt", "messages", "id", *REQUEST_SAMPLING_FIELDS, *REQUEST_FORMAT_FIELDS)

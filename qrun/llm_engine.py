@@ -200,6 +200,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_text_and_ids(prompt)
+        vocab = self.loaded.config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
         if not ids:
             raise RequestError("the prompt is empty: give at least one token")
         total = len(ids) + params.max_tokens

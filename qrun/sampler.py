@@ -14,10 +14,14 @@ MIN_TEMPERATURE = 1e-5
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition penalty over prompt and output tokens (as transformers applies it); presence
-    and frequency penalties over output tokens (as OpenAI defines them). In place."""
+    """Each row's logit bias first (OpenAI's: added to the model's logits); then the repetition
+    penalty over prompt and output tokens (as transformers applies it), presence and frequency
+    penalties over output tokens (as OpenAI defines them). In place."""
     for row, seq in enumerate(seqs):
         p = seq.params
+        if p.logit_bias:
+            tokens = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[row, tokens] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
             values = logits[row, seen]
@@ -111,9 +115,9 @@ class RunSampling:
 
 def samples_in_runs(seq: Sequence) -> bool:
     """Whether the C++ model can pick `seq`'s next tokens itself, run after run (ModelRunner.decode):
-    no held-back stop tokens, no grammar; temperature, top-k/p, min-p, penalties and logprobs it
-    applies as `sample` does."""
-    return not _held_back_or_constrained(seq)
+    no held-back stop tokens, no grammar, no logit bias; temperature, top-k/p, min-p, penalties and
+    logprobs it applies as `sample` does."""
+    return not (_held_back_or_constrained(seq) or seq.params.logit_bias)
 
 
 def _penalised(p: SamplingParams) -> bool:
@@ -126,8 +130,8 @@ def _held_back_or_constrained(seq: Sequence) -> bool:
 
 
 def _rewrites_logits(seq: Sequence) -> bool:
-    """Whether penalties, held-back stop tokens or a grammar change this row before sampling."""
-    return _penalised(seq.params) or _held_back_or_constrained(seq)
+    """Whether a logit bias, penalties, held-back stop tokens or a grammar change this row before sampling."""
+    return bool(seq.params.logit_bias) or _penalised(seq.params) or _held_back_or_constrained(seq)
 
 
 @torch.inference_mode()

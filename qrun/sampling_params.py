@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 # Most alternatives per sampled token that logprobs may report (OpenAI's limit too).
 MAX_LOGPROBS = 20
+# A logit bias's bound either way (OpenAI's): -100 bans a token in practice, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 class InvalidSamplingParam(ValueError):
@@ -20,6 +22,23 @@ class InvalidSamplingParam(ValueError):
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise InvalidSamplingParam(name, f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """A logit bias as token id -> bias; ids may be given as decimal strings, as JSON objects' keys are."""
+    if value is None:
+        return None
+    allowed = f"an object of token ids (>= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    _check(isinstance(value, dict), "logit_bias", value, allowed)
+    bias = {}
+    for token, amount in value.items():
+        if isinstance(token, str) and token.isascii() and token.isdecimal():
+            token = int(token)
+        _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0
+               and isinstance(amount, (int, float)) and not isinstance(amount, bool)
+               and -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS, "logit_bias", value, allowed)
+        bias[token] = float(amount)
+    return bias or None
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # added to a token's logit before anything else (OpenAI's)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +160,7 @@ class SamplingParams:
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
         self.stop_strings = tuple(stops)
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

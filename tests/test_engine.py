@@ -175,6 +175,25 @@ def test_min_tokens_holds_back_stop_tokens(llm):
     assert len(out.token_ids) >= 5 and first not in out.token_ids[:5]
 
 
+def test_logit_bias_bans_and_forces_tokens_in_batches_and_alone(tiny_llama64_dir):
+    # heads of 64: the C++ model decodes this one, in runs of steps where every sequence samples there
+    llm = LLM(str(tiny_llama64_dir), dtype="float32", kv_cache_memory=8_000_000, device="cpu")
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    greedy = llm.generate([[1, 2]], params, progress=False)[0].token_ids
+    banned = SamplingParams(max_tokens=6, logit_bias={str(greedy[0]): -100}, **GREEDY)  # a JSON object's key
+    forced = SamplingParams(max_tokens=6, logit_bias={7: 100}, logprobs=1, **GREEDY)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias={7: 100})
+    # the biased requests step beside free ones that decode in runs
+    outs = llm.generate([[1, 2], [1, 2], [1, 2], [1, 2]], [banned, forced, params, sampled], progress=False)
+    assert outs[0].token_ids[0] != greedy[0] and greedy[0] not in outs[0].token_ids
+    assert outs[1].token_ids == [7] * 6 and outs[3].token_ids == [7] * 6
+    assert outs[2].token_ids == greedy
+    alone = llm.generate([[1, 2]], banned, progress=False)[0]
+    assert alone.token_ids == outs[0].token_ids
+    with pytest.raises(RequestError, match="logit_bias token id 100000 is outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={100_000: 1}), progress=False)
+
+
 def test_logprobs_report_the_sampled_token_and_top_k(llm):
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, logprobs=3, **GREEDY), progress=False)[0]
     assert len(out.logprobs) == 6
@@ -203,6 +222,7 @@ def test_frequency_penalty_prevents_any_repeat_when_large(llm):
     ("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("min_tokens", 99),
     ("logprobs", 21), ("n", 0), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", "x"),
+    ("logit_bias", {"x": 1}), ("logit_bias", {5: 101}), ("logit_bias", {5: float("nan")}), ("logit_bias", [5]),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):

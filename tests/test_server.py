@@ -179,6 +179,19 @@ def test_a_stop_string_or_token_is_reported_as_the_stop_reason(url, offline):
     assert answer["choices"][0]["finish_reason"] == "length" and answer["choices"][0]["stop_reason"] is None
 
 
+def test_logit_bias_bans_a_token_and_forces_another(url, offline):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    _, _, plain = request(url, "/v1/completions", {**body, "logprobs": 0})
+    _, _, forced = request(url, "/v1/completions", {**body, "logit_bias": {"9": 100}})
+    assert forced["choices"][0]["text"] == offline.tokenizer.decode([9] * 5)
+    first = plain["choices"][0]["logprobs"]["tokens"][0]
+    banned_id = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0), progress=False)[0].token_ids[0]
+    _, _, banned = request(url, "/v1/completions", {**body, "logit_bias": {str(banned_id): -100}, "logprobs": 0})
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != first
+    status, _, reply = request(url, "/v1/completions", {**body, "logit_bias": {"999999": 1}})
+    assert status == 400 and "outside the vocabulary" in reply["error"]["message"]
+
+
 def test_n_and_seed(url):
     c = client(url)
     got = c.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=3, seed=7, temperature=1.0)
@@ -263,6 +276,9 @@ def test_disconnect_mid_stream_frees_blocks(url):
     ({"prompt": "x", "top_k": 0}, "top_k"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": 12}, "prompt"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
 ])
 def test_bad_fields_are_400_naming_the_field(url, body, param):
     status, _, reply = request(url, "/v1/completions", {"model": MODEL, "unknown_field": 1, **body})

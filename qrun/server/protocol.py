@@ -110,7 +110,7 @@ Prompt = Annotated[
 
 class RequestBody(BaseModel):
     """JSON types as the schema says (2 is no string, "2" no number, NaN no number). Fields
-    qrun has no use for (metadata, logit_bias, ...) are ignored, as OpenAI's clients send them.
+    qrun has no use for (metadata, service_tier, ...) are ignored, as OpenAI's clients send them.
     Null means "not set": the field takes its default (so the schema admits null throughout)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -181,6 +181,8 @@ class SamplingRequest(RequestBody):
     seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = None
     stop: Annotated[NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)],
                     _one_of(f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description='token id (as a string) -> a bias in [-100, 100] added to its logit: {"50256": -100}')
     stop_token_ids: Annotated[list[integer(ge=0)], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description="token ids that end a choice (EOS aside)")
     include_stop_str_in_output: bool | None = Field(False, description="keep the stop string that ended a choice")
@@ -212,7 +214,7 @@ class SamplingRequest(RequestBody):
                 seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logprobs=logprobs, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                include_stop_str_in_output=self.include_stop_str_in_output,
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
                 structured_outputs=self.structured_outputs_params() or constraint)
         except InvalidSamplingParam as err:  # what no field says alone: min_tokens above max_tokens
             raise ApiError(400, str(err), err.name) from None
