@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -153,20 +155,29 @@ class Tokenizer:
                             template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """Render `messages` with the model's template (or `template`) in a jinja2 sandbox."""
         source = template or self.chat_template or FALLBACK_CHAT_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
-            return env.from_string(source).render(
+            return _compiled_template(source).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
         except TemplateError as err:
             raise QrunError(f"the chat template rejected the conversation: {err}") from None
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+# The sandbox every chat template renders in, with the helpers Hugging Face's templates call.
+_TEMPLATES = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+_TEMPLATES.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> Template:
+    """A chat template compiled once: compiling SmolLM2's took 1.9 ms of every chat request, rendering it
+    40 us (one-off probe, a 2-core Xeon). A syntax error is the caller's TemplateError."""
+    return _TEMPLATES.from_string(source)
 
 
 class IncrementalDetokenizer:

@@ -84,6 +84,25 @@ def test_llm_chat_answers_each_conversation_in_order_as_generate_does_its_prompt
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_chat_templates_render_in_a_sandbox_and_their_errors_are_one_line(bos_model):
+    from datetime import datetime
+
+    from qrun.errors import QrunError
+    from qrun.tokenizer import Tokenizer
+
+    folder, _ = bos_model
+    tokenizer = Tokenizer.from_folder(folder, [0])
+    first = tokenizer.apply_chat_template(MESSAGES)
+    assert tokenizer.apply_chat_template(MESSAGES) == first  # compiled once, rendered again
+    assert tokenizer.apply_chat_template(MESSAGES, template="{{ strftime_now('%Y') }}") == str(datetime.now().year)
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role here') }}{% endif %}"
+    for template, message in [(refusing, "no system role here"), ("{% for m in messages %}", "Unexpected end"),
+                              ("{{ messages.append(1) }}", "unsafe"), ("{{ messages.__class__.__mro__ }}", "unsafe")]:
+        with pytest.raises(QrunError, match=f"^the chat template rejected the conversation: .*{message}"):
+            tokenizer.apply_chat_template(MESSAGES, template=template)
+    assert MESSAGES == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"}]
+
+
 @pytest.mark.parametrize("messages, field", [
     ([], "messages"), ("hi", "messages"), ([{"content": "x"}], "messages[0]"),
     ([{"role": "user", "content": 3}], "messages[0].content"),
