@@ -196,13 +196,27 @@ def test_model_in_an_older_format_version_asks_to_convert_again(converted, tmp_p
         load_model(old, device="cpu")
 
 
-def test_scale_ranges_stay_float16_in_a_bfloat16_model(converted):
+def test_scale_ranges_stay_float16_in_a_bfloat16_model(converted, monkeypatch):
     from qrun.loader import load_model
 
+    monkeypatch.setenv("QRUN_QUANT_CPU", "ref")  # the packed tensors stay (the fast path drops them once built)
     model = load_model(converted[0], dtype="bfloat16", device="cpu", fuse_projections=False).model
     q_proj = model.layers[0].self_attn.q_proj
     assert q_proj.scale_max.dtype == torch.float16 and q_proj.scales.dtype == torch.uint8
     assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+
+
+def test_a_cpu_model_holds_its_quantized_weights_once(converted):
+    from qrun.loader import load_model
+    from qrun.quant import QuantLinear
+
+    model = load_model(converted[0], dtype="float32", device="cpu").model
+    unfused = [m for m in model.modules() if isinstance(m, QuantLinear)]  # o_proj, down_proj, the head
+    # each multiplies through its CPU matmul's own form of the weights; the packed ones are gone, as the
+    # fused q/k/v's and gate/up's are
+    assert unfused and all(m.cpu_matmul is not None and m.qweight is None and m.scales is None for m in unfused)
+    with pytest.raises(RuntimeError, match="packed weights were released"):
+        unfused[0].dequantized_weight()
 
 
 def test_existing_output_is_refused_without_force(converted, tiny_llama_dir, calib_file):
