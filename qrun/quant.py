@@ -390,9 +390,8 @@ def share_input_rotations(model: nn.Module) -> None:
 def prepare_quantized_linears(model: nn.Module) -> None:
     """Choose every quantized linear's path at load, building the CPU int4 weights where that is
     the path (and then dropping the packed ones), so the first request does not wait and no forward
-    reads the environment. The head's
-    inputs are rounded to two int8 digits (its errors go straight into the logits), the layers'
-    to one."""
+    reads the environment. The head's inputs are rounded to two int8 digits (its errors go straight
+    into the logits), the layers' to one."""
     head = getattr(model, "lm_head", None)
     for module in model.modules():
         if isinstance(module, QuantLinear):

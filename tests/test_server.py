@@ -172,7 +172,8 @@ def test_a_stop_string_or_token_is_reported_as_the_stop_reason(url, offline):
     token = offline.chat(messages, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                          progress=False)[0].token_ids[2]
     _, _, answer = request(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 30,
-                                                         "temperature": 0, "stop_token_ids": [token], "ignore_eos": True})
+                                                         "temperature": 0, "stop_token_ids": [token],
+                                                         "ignore_eos": True})
     choice = answer["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == token
     _, _, answer = request(url, "/v1/completions", {**body, "stop": None, "ignore_eos": True})
@@ -185,7 +186,8 @@ def test_logit_bias_bans_a_token_and_forces_another(url, offline):
     _, _, forced = request(url, "/v1/completions", {**body, "logit_bias": {"9": 100}})
     assert forced["choices"][0]["text"] == offline.tokenizer.decode([9] * 5)
     first = plain["choices"][0]["logprobs"]["tokens"][0]
-    banned_id = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0), progress=False)[0].token_ids[0]
+    greedy = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0), progress=False)[0]
+    banned_id = greedy.token_ids[0]
     _, _, banned = request(url, "/v1/completions", {**body, "logit_bias": {str(banned_id): -100}, "logprobs": 0})
     assert banned["choices"][0]["logprobs"]["tokens"][0] != first
     status, _, reply = request(url, "/v1/completions", {**body, "logit_bias": {"999999": 1}})
