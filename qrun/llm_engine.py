@@ -9,7 +9,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence as Seq
+from typing import Any, Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
@@ -200,10 +200,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_text_and_ids(prompt)
-        vocab = self.loaded.config.vocab_size
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
+        self._check_vocabulary(params.logit_bias or (), "logit_bias")
         if not ids:
             raise RequestError("the prompt is empty: give at least one token")
         total = len(ids) + params.max_tokens
@@ -241,11 +238,14 @@ class LLMEngine:
         except TypeError:
             raise RequestError("a prompt is text, a list of token ids, {'prompt': text} or {'prompt_token_ids': ids}; "
                                f"got {prompt!r:.60}") from None
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        self._check_vocabulary(ids, "prompt")
         return None, ids
+
+    def _check_vocabulary(self, token_ids: Iterable[int], field_name: str) -> None:
+        vocab = self.loaded.config.vocab_size
+        outside = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise RequestError(f"{field_name} token id {outside} is outside the vocabulary (0..{vocab - 1})")
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         generator = None
