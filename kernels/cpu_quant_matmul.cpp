@@ -237,8 +237,17 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
     const int64_t high_blocks = k_high / BLOCK_K, high_groups = k_high / group;
     __m512 total[T][R];
-    // each row's int32 sums over the group so far, by the inputs' digit: the group's inputs share one step
-    __m512i high_dot[T][R], low_dot[T][R];
+    // Each row's int32 sums over the group so far, by the inputs' digit: the group's inputs share one step. Each
+    // vpdpbusd waits for the one before on its sum (~5 cycles), so where few sums run side by side (one or two rows
+    // and tiles) each runs as two chains, over the even and the odd code vectors.
+    constexpr int CHAINS = R * T * (two_digits ? 2 : 1) < 4 ? 2 : 1;
+    __m512i high_dot[T][R][CHAINS], low_dot[T][R][CHAINS];
+    const auto clear_sums = [&](int t, int r) {
+        for (int c = 0; c < CHAINS; c++) high_dot[t][r][c] = low_dot[t][r][c] = _mm512_setzero_si512();
+    };
+    const auto summed = [](const __m512i (&chains)[CHAINS]) {
+        return CHAINS == 2 ? _mm512_add_epi32(chains[0], chains[CHAINS - 1]) : chains[0];
+    };
     const uint8_t* tile_codes[T];
     const uint8_t* tile_high_codes[T];
     for (int t = 0; t < T; t++) {
@@ -246,7 +255,7 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
         tile_high_codes[t] = high_codes + tiles[t] * high_blocks * BLOCK_K * TILE_N / 2;
         for (int r = 0; r < R; r++) {
             total[t][r] = _mm512_setzero_ps();
-            high_dot[t][r] = low_dot[t][r] = _mm512_setzero_si512();
+            clear_sums(t, r);
         }
     }
     const __m512i low_nibbles = _mm512_set1_epi8(15);
@@ -279,11 +288,12 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
                 for (int q = 0; q < 8; q++)
                     for (int r = 0; r < R; r++) {
-                        high_dot[t][r] =
-                            _mm512_dpbusd_epi32(high_dot[t][r], w[q], _mm512_set1_epi32(high[r * k / 4 + q]));
-                        if constexpr (two_digits)
-                            low_dot[t][r] =
-                                _mm512_dpbusd_epi32(low_dot[t][r], w[q], _mm512_set1_epi32(low[r * k / 4 + q]));
+                        __m512i& high_sum = high_dot[t][r][q % CHAINS];
+                        high_sum = _mm512_dpbusd_epi32(high_sum, w[q], _mm512_set1_epi32(high[r * k / 4 + q]));
+                        if constexpr (two_digits) {
+                            __m512i& low_sum = low_dot[t][r][q % CHAINS];
+                            low_sum = _mm512_dpbusd_epi32(low_sum, w[q], _mm512_set1_epi32(low[r * k / 4 + q]));
+                        }
                     }
             }
             if ((b + 1) % blocks_per_group) continue;
@@ -303,16 +313,17 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                     zero = _mm512_add_ps(zero, load_halves(high));
                 }
                 for (int r = 0; r < R; r++) {
-                    __m512 dot = _mm512_cvtepi32_ps(high_dot[t][r]);
+                    __m512 dot = _mm512_cvtepi32_ps(summed(high_dot[t][r]));
                     if constexpr (two_digits)
-                        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dot[t][r]), _mm512_set1_ps(1.f / LOW_STEPS), dot);
+                        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summed(low_dot[t][r])),
+                                              _mm512_set1_ps(1.f / LOW_STEPS), dot);
                     const __m512 centred =
                         _mm512_sub_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.steps[(m0 + r) * groups + g])),
                                       _mm512_set1_ps(center * x.rounded_sums[(m0 + r) * groups + g]));
                     total[t][r] = _mm512_fmadd_ps(centred, scale, total[t][r]);
                     total[t][r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x.group_sums[(m0 + r) * groups + g]),
                                                   total[t][r]);
-                    high_dot[t][r] = low_dot[t][r] = _mm512_setzero_si512();
+                    clear_sums(t, r);
                 }
             }
         }
