@@ -17,6 +17,8 @@
 #include <exception>
 #include <type_traits>
 
+#include "cpu_quant_planes.h"
+
 // bfloat16 bits of a float, rounded to nearest even as torch rounds; NaN stays NaN. Branch-free, so loops of it
 // vectorise.
 inline uint16_t qrun_bfloat16_bits(float value) {
@@ -361,11 +363,9 @@ extern "C" int qrun_rotate(const void* x, int64_t ldx, void* out, int64_t ldout,
                            const float* odd_factor, int64_t odd, int64_t rows, int64_t k, int inverse, int threads);
 extern "C" int qrun_reflect(const void* x, void* out, int kind, const float* u, int64_t rows, int64_t heads,
                             int64_t kv_heads, int64_t dim, int threads);
-extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
-                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
-                                 const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
-                                 int64_t k_high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
-                                 int64_t n, int64_t k, int64_t group, int input_digits, int read_streams, int threads);
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const qrun_plane* low,
+                                 const qrun_plane* high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
+                                 int64_t n, int64_t group, int input_digits, int read_streams, int threads);
 extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint16_t* high_scales, int64_t n,
                                               int64_t k, int64_t k_high, int64_t group);
 extern "C" int qrun_half_gemv(const void* x, int kind, int64_t ldx, const uint16_t* w, const uint16_t* bias, void* y,
@@ -389,14 +389,9 @@ extern "C" int qrun_rms_norm(int kind, const void* x, const void* residual, cons
 extern "C" int qrun_store_kv_quantized(const float* keys, const float* values, const int64_t* slots, int64_t tokens,
                                        int64_t heads, int64_t dim, int64_t group, int bits, uint8_t* k_cache,
                                        uint8_t* v_cache, uint16_t* k_scales, uint16_t* v_scales);
-extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
-                                      const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
-                                      const uint16_t* high_zeros, const int8_t* high_centers, int64_t n, int64_t k,
-                                      int64_t k_high, int64_t group, uint16_t* out, int64_t ldo, int threads);
+extern "C" int qrun_dequantize_planes(const qrun_plane* low, const qrun_plane* high, int64_t n, int64_t group,
+                                      uint16_t* out, int64_t ldo, int threads);
 extern "C" int qrun_quant_matmul_tiles_available();
-extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
-                                       const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
-                                       const uint16_t* high_scales, const uint16_t* high_zeros,
-                                       const int8_t* high_centers, int64_t k_high, void* y, int y_bfloat16,
-                                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
+extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const qrun_plane* low, const qrun_plane* high,
+                                       void* y, int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t group,
                                        int dequantize_weights, int threads);

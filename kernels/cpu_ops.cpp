@@ -78,36 +78,19 @@ at::Tensor to_bfloat16(const at::Tensor& values) {
     return out;
 }
 
-// Whether a plane is in cpu_quant_matmul.py's layout for an [out_features, inputs] weight.
-bool plane_laid_out(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                    const at::Tensor& centers, int64_t out_features, int64_t inputs) {
-    return codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() && centers.is_contiguous() &&
-           codes.numel() * 2 == out_features * inputs && centers.numel() * 32 == inputs;
-}
-
-// An optional tensor's data (the high plane's), null without one.
-template <typename T>
-const T* data_or_null(const std::optional<at::Tensor>& tensor) {
-    return tensor ? static_cast<const T*>(tensor->data_ptr()) : nullptr;
-}
-
 at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                              const at::Tensor& centers, int64_t group, int64_t out_features,
                              const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
                              const std::optional<at::Tensor>& high_zeros,
                              const std::optional<at::Tensor>& high_centers, int64_t k_high) {
-    const int64_t k = out_features ? codes.numel() * 2 / out_features : 0;
-    const bool laid_out = plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
-                          (!high_codes ||
-                           plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high));
-    TORCH_CHECK(laid_out, "dequantize_planes: packed weights do not match [", out_features, ", ", k, "]");
+    const qrun_ops::VnniPlanes planes = qrun_ops::quant_planes(codes, scales, zeros, centers, group, out_features,
+                                                               high_codes, high_scales, high_zeros, high_centers,
+                                                               k_high, "dequantize_planes");
+    const int64_t k = planes.low.k;
     at::Tensor out = at::empty({k, out_features}, codes.options().dtype(at::kBFloat16));  // input-major
-    const int status = qrun_dequantize_planes(
-        static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const uint16_t*>(scales.data_ptr()),
-        static_cast<const uint16_t*>(zeros.data_ptr()), static_cast<const int8_t*>(centers.data_ptr()),
-        data_or_null<uint8_t>(high_codes), data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros),
-        data_or_null<int8_t>(high_centers), out_features, k, k_high, group,
-        static_cast<uint16_t*>(out.data_ptr()), out_features, at::get_num_threads());
+    const int status = qrun_dequantize_planes(&planes.low, planes.high_or_null(), out_features, group,
+                                              static_cast<uint16_t*>(out.data_ptr()), out_features,
+                                              at::get_num_threads());
     TORCH_CHECK(status == 0, "dequantize_planes: cannot unpack a [", out_features, ", ", k, "] weight in groups of ",
                 group);
     return out.t();
@@ -121,19 +104,17 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
                               const std::optional<at::Tensor>& high_zeros,
                               const std::optional<at::Tensor>& high_centers, int64_t k_high, bool dequantize_weights) {
     const int64_t k = x.size(1);
-    TORCH_CHECK(x.stride(1) == 1 && plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
-                    (!high_codes ||
-                     plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high)),
-                "quant_matmul: packed weights do not match [", out_features, ", ", k, "]");
+    const qrun_ops::VnniPlanes planes = qrun_ops::quant_planes(codes, scales, zeros, centers, group, out_features,
+                                                               high_codes, high_scales, high_zeros, high_centers,
+                                                               k_high, "quant_matmul");
+    TORCH_CHECK(x.stride(1) == 1 && planes.low.k == k, "quant_matmul: x ", x.sizes(), " does not match the packed [",
+                out_features, ", ", planes.low.k, "] weight");
     at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(dequantize_weights ? at::kBFloat16
                                                                                              : at::kFloat));
-    const int status = qrun_quant_matmul_tiles(
-        static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), static_cast<const uint8_t*>(codes.data_ptr()),
-        static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()),
-        static_cast<const int8_t*>(centers.data_ptr()), data_or_null<uint8_t>(high_codes),
-        data_or_null<uint16_t>(high_scales), data_or_null<uint16_t>(high_zeros), data_or_null<int8_t>(high_centers),
-        k_high, y.data_ptr(), dequantize_weights, y.stride(0), x.size(0), out_features, k, group, dequantize_weights,
-        at::get_num_threads());
+    const int status = qrun_quant_matmul_tiles(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0), &planes.low,
+                                               planes.high_or_null(), y.data_ptr(), dequantize_weights, y.stride(0),
+                                               x.size(0), out_features, group, dequantize_weights,
+                                               at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul_tiles cannot multiply [", x.size(0), ", ", k, "] by a [",
                 out_features, ", ", k, "] weight in groups of ", group, " (status ", status, ")");
     return y;
@@ -558,29 +539,48 @@ bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows,
            ((dequantize_rows <= 0 || rows < dequantize_rows) && (tile_rows <= 0 || rows < tile_rows));
 }
 
+VnniPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                        const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
+                        const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
+                        int64_t k_high, const char* op) {
+    // a plane over `inputs` inputs, its codes' width what their size leaves (cpu_quant_planes.h)
+    const auto plane = [&](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                           const at::Tensor& centers, int64_t inputs) {
+        const int64_t weights = out_features * inputs;
+        const int bits = weights > 0 && codes.numel() * 8 % weights == 0 ? int(codes.numel() * 8 / weights) : 0;
+        TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous() &&
+                        centers.is_contiguous() && codes.scalar_type() == at::kByte && bits >= 1 && bits <= 4 &&
+                        centers.numel() * 32 == inputs && group > 0 && scales.numel() * group == weights &&
+                        zeros.numel() == scales.numel(),
+                    op, ": packed weights do not match [", out_features, ", ", inputs, "] in groups of ", group,
+                    " (", codes.numel(), " bytes of codes, ", scales.numel(), " scales; kernels/cpu_quant_matmul.py's "
+                    "pack makes them)");
+        return qrun_plane{static_cast<const uint8_t*>(codes.data_ptr()),
+                          static_cast<const uint16_t*>(scales.data_ptr()),
+                          static_cast<const uint16_t*>(zeros.data_ptr()),
+                          static_cast<const int8_t*>(centers.data_ptr()), inputs, bits};
+    };
+    VnniPlanes planes{plane(codes, scales, zeros, centers, centers.numel() * 32), {}, out_features, group};
+    if (high_codes) planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
+    TORCH_CHECK(qrun_planes_fit(planes.low, planes.high_or_null(), out_features, group), op, ": packed weights do not "
+                "fit the layout: [", out_features, ", ", planes.low.k, "] in groups of ", group, ", high plane over ",
+                planes.high.k, " inputs");
+    return planes;
+}
+
 VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
                        const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
                        int64_t k_high, int64_t input_digits, int64_t read_streams) {
-    const int64_t k = out_features > 0 ? codes.numel() * 2 / out_features : 0;
-    TORCH_CHECK(plane_laid_out(codes, scales, zeros, centers, out_features, k) &&
-                    (!high_codes ||
-                     plane_laid_out(*high_codes, *high_scales, *high_zeros, *high_centers, out_features, k_high)),
-                "quant_matmul: packed weights do not match [", out_features, ", ", k, "]");
     TORCH_CHECK(read_streams == 1 || read_streams == 2 || read_streams == 4, "quant_matmul: read_streams must be 1, 2 "
                 "or 4 (kernels/cpu_quant_matmul.py's READ_STREAMS), got ", read_streams);
-    const auto plane = [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                          const at::Tensor& centers, int64_t inputs) {
-        return VnniPlanes::Plane{static_cast<const uint8_t*>(codes.data_ptr()),
-                                 static_cast<const uint16_t*>(scales.data_ptr()),
-                                 static_cast<const uint16_t*>(zeros.data_ptr()),
-                                 static_cast<const int8_t*>(centers.data_ptr()), inputs};
-    };
-    VnniPlanes planes{plane(codes, scales, zeros, centers, k), {}, out_features, group, input_digits, read_streams};
+    VnniPlanes planes = quant_planes(codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
+                                     high_zeros, high_centers, k_high, "quant_matmul");
+    planes.input_digits = input_digits;
+    planes.read_streams = read_streams;
     if (!high_codes) return planes;
-    planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
-    const bool upper_digits =
-        qrun_quant_matmul_upper_digits(planes.low.scales, planes.high.scales, out_features, k, k_high, group) == 1;
+    const bool upper_digits = qrun_quant_matmul_upper_digits(planes.low.scales, planes.high.scales, out_features,
+                                                             planes.low.k, k_high, group) == 1;
     TORCH_CHECK(upper_digits, "quant_matmul: the high plane's scales must be 16x the low plane's over its inputs (it "
                 "holds the upper 4 bits of 5-8-bit codes, as qrun/quant.py's cpu_parts packs them)");
     return planes;
@@ -597,11 +597,10 @@ void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor
                 y.scalar_type(), " ", y.sizes());
     TORCH_CHECK(x.size(1) == planes.low.k, "quant_matmul: x ", x.sizes(), " does not match the packed [", planes.n,
                 ", ", planes.low.k, "] weight");
-    const int status = qrun_quant_matmul(x.data_ptr(), bfloat16, x.stride(0), planes.low.codes, planes.low.scales,
-                                         planes.low.zeros, planes.low.centers, planes.high.codes, planes.high.zeros,
-                                         planes.high.centers, planes.high.k, y.data_ptr(), widened ? 2 : bfloat16,
-                                         gated, y.stride(0), x.size(0), planes.n, planes.low.k, planes.group,
-                                         planes.input_digits, planes.read_streams, at::get_num_threads());
+    const int status = qrun_quant_matmul(x.data_ptr(), bfloat16, x.stride(0), &planes.low, planes.high_or_null(),
+                                         y.data_ptr(), widened ? 2 : bfloat16, gated, y.stride(0), x.size(0), planes.n,
+                                         planes.group, planes.input_digits, planes.read_streams,
+                                         at::get_num_threads());
     TORCH_CHECK(status == 0, "qrun_quant_matmul cannot multiply [", x.size(0), ", ", planes.low.k, "] by a [",
                 planes.n, ", ", planes.low.k, "] weight in groups of ", planes.group, gated ? ", gated" : "",
                 " (status ", status, ")");

@@ -37,17 +37,20 @@ bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows,
 // they are made: the C++ model's layer keeps them with its linear, the op makes them for each call. The tensors they
 // point into must outlive them.
 struct VnniPlanes {
-    struct Plane {
-        const uint8_t* codes = nullptr;
-        const uint16_t* scales = nullptr;
-        const uint16_t* zeros = nullptr;
-        const int8_t* centers = nullptr;
-        int64_t k = 0;  // the inputs it covers: all, or the high plane's first k_high
-    };
-    Plane low, high;  // high.codes null: one plane
+    qrun_plane low, high;  // high.codes null: one plane
     int64_t n = 0, group = 0, input_digits = 1, read_streams = 4;
+
+    const qrun_plane* high_or_null() const { return high.codes ? &high : nullptr; }
 };
 
+// The planes of an [out_features, k] weight, checked against the layout (its widths follow from the codes' sizes);
+// `op` names the caller in what a mismatch raises.
+VnniPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                        const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
+                        const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
+                        int64_t k_high, const char* op);
+
+// quant_planes for the VNNI kernel, with its rounding of inputs and read streams.
 VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
                        const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,

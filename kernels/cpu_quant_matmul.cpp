@@ -3,10 +3,10 @@
 // (64 unsigned x signed byte products per instruction; on AVX2 vpmaddubsw and vpmaddwd, 32 products in two
 // instructions). Layout and reasons: kernels/cpu_quant_matmul.py.
 //
-// codes:   [N / 16][K / 32][4][16][4] bytes. For a tile of 16 output channels and a block of 32
-//          inputs, 4 slices of 64 bytes; in slice s, channel c's 4 bytes hold the codes of inputs
-//          8s + j (low nibble) and 8s + 4 + j (high nibble), j = 0..3. So one 64-byte load is one
-//          vpdpbusd operand per nibble: a lane per output channel, 4 inputs per lane.
+// codes:   a qrun_plane (cpu_quant_planes.h): for a tile of 16 output channels and a block of 32 inputs, 4 slices
+//          of 64 bytes; in slice s, channel c's 4 bytes hold the codes of inputs 8s + j (low nibble) and 8s + 4 + j
+//          (high nibble), j = 0..3, as qrun_plane_slice gives them from a plane of 1-4 bits a code. So one slice is
+//          one vpdpbusd operand per nibble: a lane per output channel, 4 inputs per lane.
 // scales, zeros: float16 [N / 16][K / group][16], centers: int8 [K / 32] (one value per group):
 //          w = (code - center) * scale + zero.
 // A second plane over the first k_high inputs holds the upper digits of 5-8-bit codes, its scales 16x the low
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_quant_planes.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QRUN_HAS_VNNI 1
@@ -86,32 +87,16 @@ QuantizedRows& calling_thread_rows(int64_t rows, int64_t k, int64_t groups, bool
     return kept;  // the caller's: a parallel region's threads naming `kept` would get their own
 }
 
-// One plane of weights in the layout above: [n, k] in groups of `group` inputs.
+// The weights of a product, [n, low.k] in groups of `group` inputs: the low digits' plane and, over the first high.k
+// inputs, the upper digits of 5-8-bit codes (high.codes null: none; their scales, 16x the low ones', are not read).
 struct Weights {
-    const uint8_t* codes;
-    const uint16_t* scales;
-    const uint16_t* zeros;
-    const int8_t* centers;
-    int64_t n, k, group;
-    // the upper digits of 5-8-bit codes over the first k_high inputs (null: none), their scales 16x the low ones'
-    const uint8_t* high_codes;
-    const uint16_t* high_zeros;
-    const int8_t* high_centers;
-    int64_t k_high;
+    qrun_plane low, high;
+    int64_t n, group;
 };
 
 // What a call writes (qrun_quant_matmul's y_kind): float32 sums, bfloat16 rounded once from them, or that bfloat16
 // widened back to float32 (a bfloat16 model's logits as compute_logits widens them, with no pass of its own).
 enum OutputKind { FLOAT32 = 0, BFLOAT16 = 1, BFLOAT16_WIDENED = 2 };
-
-// A plane's arrays, as qrun_dequantize_planes reads them.
-struct Plane {
-    const uint8_t* codes;
-    const uint16_t* scales;
-    const uint16_t* zeros;
-    const int8_t* centers;
-    int64_t k;
-};
 
 }  // namespace
 #endif
@@ -233,9 +218,11 @@ struct Output {
 // the R rows, whose int32 sums stay in registers. The T tiles are read side by side, as separate streams.
 template <int R, int T, bool two_digits>
 void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
-    const auto [codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers, k_high] = weights;
+    const qrun_plane &low_plane = weights.low, &high_plane = weights.high;
+    const int64_t k = low_plane.k, group = weights.group;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
-    const int64_t high_blocks = k_high / BLOCK_K, high_groups = k_high / group;
+    const int64_t high_blocks = high_plane.k / BLOCK_K, high_groups = high_plane.k / group;
+    const int64_t block_bytes = low_plane.block_bytes(), high_block_bytes = high_plane.block_bytes();
     __m512 total[T][R];
     // Each row's int32 sums over the group so far, by the inputs' digit: the group's inputs share one step. Each
     // vpdpbusd waits for the one before on its sum (~5 cycles), so where few sums run side by side (one or two rows
@@ -251,8 +238,8 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     const uint8_t* tile_codes[T];
     const uint8_t* tile_high_codes[T];
     for (int t = 0; t < T; t++) {
-        tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
-        tile_high_codes[t] = high_codes + tiles[t] * high_blocks * BLOCK_K * TILE_N / 2;
+        tile_codes[t] = low_plane.block(tiles[t], 0);
+        tile_high_codes[t] = high_plane.codes ? high_plane.block(tiles[t], 0) : nullptr;
         for (int r = 0; r < R; r++) {
             total[t][r] = _mm512_setzero_ps();
             clear_sums(t, r);
@@ -264,21 +251,33 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     const auto multiply_blocks = [&]<bool upper>(int64_t first, int64_t last) {
         for (int64_t b = first; b < last; b++) {
             for (int t = 0; t < T; t++) {
+                const uint8_t* block = tile_codes[t] + b * block_bytes;
+                const uint8_t* high_block = upper ? tile_high_codes[t] + b * high_block_bytes : nullptr;
+                for (int line = 0; line < low_plane.bits; line++) prefetch_ahead(block + 64 * line);
+                if constexpr (upper)
+                    for (int line = 0; line < high_plane.bits; line++) prefetch_ahead(high_block + 64 * line);
                 __m512i w[8];
-                for (int s = 0; s < 4; s++) {
-                    const uint8_t* slice = tile_codes[t] + (b * 4 + s) * 64;
-                    prefetch_ahead(slice);
-                    const __m512i bytes = _mm512_loadu_si512(slice);
+                if (low_plane.bits == 4 && (!upper || high_plane.bits == 4)) {
+                    for (int s = 0; s < 4; s++) {
+                        const __m512i bytes = _mm512_loadu_si512(block + 64 * s);
+                        if constexpr (upper) {
+                            const __m512i high = _mm512_loadu_si512(high_block + 64 * s);
+                            // bitwise select (0xCA): low_nibbles' bits from the second operand, the rest from the
+                            // third
+                            w[2 * s] = _mm512_ternarylogic_epi32(low_nibbles, bytes, _mm512_slli_epi16(high, 4), 0xCA);
+                            w[2 * s + 1] =
+                                _mm512_ternarylogic_epi32(low_nibbles, _mm512_srli_epi16(bytes, 4), high, 0xCA);
+                        } else {
+                            w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
+                            w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+                        }
+                    }
+                } else {
+                    qrun_plane_vectors(block, low_plane.bits, w);
                     if constexpr (upper) {
-                        const uint8_t* high_slice = tile_high_codes[t] + (b * 4 + s) * 64;
-                        prefetch_ahead(high_slice);
-                        const __m512i high = _mm512_loadu_si512(high_slice);
-                        // bitwise select (0xCA): low_nibbles' bits from the second operand, the rest from the third
-                        w[2 * s] = _mm512_ternarylogic_epi32(low_nibbles, bytes, _mm512_slli_epi16(high, 4), 0xCA);
-                        w[2 * s + 1] = _mm512_ternarylogic_epi32(low_nibbles, _mm512_srli_epi16(bytes, 4), high, 0xCA);
-                    } else {
-                        w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
-                        w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+                        __m512i high[8];
+                        qrun_plane_vectors(high_block, high_plane.bits, high);
+                        for (int q = 0; q < 8; q++) w[q] = _mm512_or_si512(w[q], _mm512_slli_epi16(high[q], 4));
                     }
                 }
                 // the rows' sums input by input, side by side: R independent chains of vpdpbusd in flight (row by
@@ -300,15 +299,15 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             const int64_t g = b / blocks_per_group;
             // (code - center) . x: centred codes, so x's rounding meets weights of at most half the
             // group's range (center x sum(x) is in the zeros, with x's float sums)
-            const float center = upper ? centers[b] + 16.f * high_centers[b] : centers[b];
+            const float center = upper ? low_plane.centers[b] + 16.f * high_plane.centers[b] : low_plane.centers[b];
             for (int t = 0; t < T; t++) {
                 const int64_t at = (tiles[t] * groups + g) * TILE_N;
-                prefetch_scales(scales + at);
-                prefetch_scales(zeros + at);
-                const __m512 scale = load_halves(scales + at);
-                __m512 zero = load_halves(zeros + at);
+                prefetch_scales(low_plane.scales + at);
+                prefetch_scales(low_plane.zeros + at);
+                const __m512 scale = load_halves(low_plane.scales + at);
+                __m512 zero = load_halves(low_plane.zeros + at);
                 if constexpr (upper) {
-                    const uint16_t* high = high_zeros + (tiles[t] * high_groups + g) * TILE_N;
+                    const uint16_t* high = high_plane.zeros + (tiles[t] * high_groups + g) * TILE_N;
                     prefetch_scales(high);
                     zero = _mm512_add_ps(zero, load_halves(high));
                 }
@@ -337,14 +336,14 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
 // The weights of channel tile `tile` in block b of `plane` (groups of `group` inputs), 16 channels a vector:
 // values[i] holds input 32 b + i. As cpu_quant_matmul.py's unpack, the product with the scale and the sum with the
 // zero each rounded (no fused multiply-add: the exact float weights the reference gives).
-void dequantize_tile_block(const Plane& plane, int64_t group, int64_t tile, int64_t b, __m512 values[BLOCK_K]) {
-    const int64_t blocks = plane.k / BLOCK_K, at = (tile * (plane.k / group) + b * BLOCK_K / group) * TILE_N;
+void dequantize_tile_block(const qrun_plane& plane, int64_t group, int64_t tile, int64_t b, __m512 values[BLOCK_K]) {
+    const int64_t at = (tile * (plane.k / group) + b * BLOCK_K / group) * TILE_N;
     const __m512 scale = load_halves(plane.scales + at), zero = load_halves(plane.zeros + at);
     const __m512 center = _mm512_set1_ps(float(plane.centers[b]));
     const __m512i nibble = _mm512_set1_epi32(15);
-    const uint8_t* block = plane.codes + (tile * blocks + b) * 4 * 64;
+    const uint8_t* block = plane.block(tile, b);
     for (int slice = 0; slice < 4; slice++) {  // channel c's 4 bytes: inputs 8s + j (low nibbles), 8s + 4 + j (high)
-        const __m512i words = _mm512_loadu_si512(block + slice * 64);
+        const __m512i words = qrun_plane_slice<__m512i>(block, plane.bits, slice);
         for (int j = 0; j < 4; j++)
             for (int half = 0; half < 2; half++) {
                 const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(words, 8 * j + 4 * half), nibble);
@@ -356,7 +355,7 @@ void dequantize_tile_block(const Plane& plane, int64_t group, int64_t tile, int6
 
 // Channel tile `tile`'s weights in block b, the high plane's added where it covers the block (null: none), stored as
 // bfloat16 in rows 32 b .. 32 b + 31 of out (row stride ldo): qrun_dequantize_planes' unit.
-void store_dequantized_block(const Plane& low, const Plane* high, int64_t group, int64_t tile, int64_t b,
+void store_dequantized_block(const qrun_plane& low, const qrun_plane* high, int64_t group, int64_t tile, int64_t b,
                              uint16_t* out, int64_t ldo) {
     __m512 values[BLOCK_K], upper[BLOCK_K];
     dequantize_tile_block(low, group, tile, b, values);
@@ -474,16 +473,18 @@ struct Output {
 // so the high plane's digits sum on their own, scaled by 16 in vpmaddwd.
 template <int R, int T, bool two_digits>
 void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
-    const auto [codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers, k_high] = weights;
+    const qrun_plane &low_plane = weights.low, &high_plane = weights.high;
+    const int64_t k = low_plane.k, group = weights.group;
     const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
-    const int64_t high_blocks = k_high / BLOCK_K, high_groups = k_high / group;
+    const int64_t high_blocks = high_plane.k / BLOCK_K, high_groups = high_plane.k / group;
+    const int64_t block_bytes = low_plane.block_bytes(), high_block_bytes = high_plane.block_bytes();
     __m256 total[T][R][2];
     __m256i high_dot[T][R][2], low_dot[T][R][2];  // each row's int32 sums over the group so far, by input digit
     const uint8_t* tile_codes[T];
     const uint8_t* tile_high_codes[T];
     for (int t = 0; t < T; t++) {
-        tile_codes[t] = codes + tiles[t] * blocks * BLOCK_K * TILE_N / 2;
-        tile_high_codes[t] = high_codes + tiles[t] * high_blocks * BLOCK_K * TILE_N / 2;
+        tile_codes[t] = low_plane.block(tiles[t], 0);
+        tile_high_codes[t] = high_plane.codes ? high_plane.block(tiles[t], 0) : nullptr;
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++) {
                 total[t][r][h] = _mm256_setzero_ps();
@@ -497,11 +498,10 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                                                _mm256_maddubs_epi16(codes[1], _mm256_set1_epi32(second)));
         return _mm256_madd_epi16(pairs, scale);
     };
-    // a 64-byte slice's codes as [half][low nibbles, high nibbles]
-    const auto unpack = [&](const uint8_t* slice, __m256i (&w)[2][2]) {
-        prefetch_ahead(slice);
+    // slice s of a block's codes (in a plane of `bits` bits a code) as [half][low nibbles, high nibbles]
+    const auto unpack = [&](const uint8_t* block, int bits, int s, __m256i (&w)[2][2]) {
         for (int h = 0; h < 2; h++) {
-            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slice + 32 * h));
+            const __m256i bytes = qrun_plane_slice<__m256i>(block + 32 * h, bits, s);
             w[h][0] = _mm256_and_si256(bytes, nibbles);
             w[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
         }
@@ -512,10 +512,15 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 const int64_t at = m0 * k + b * BLOCK_K;
                 const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
                 const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
+                const uint8_t* block = tile_codes[t] + b * block_bytes;
+                const uint8_t* high_block = upper ? tile_high_codes[t] + b * high_block_bytes : nullptr;
+                for (int line = 0; line < low_plane.bits; line++) prefetch_ahead(block + 64 * line);
+                if constexpr (upper)
+                    for (int line = 0; line < high_plane.bits; line++) prefetch_ahead(high_block + 64 * line);
                 for (int s = 0; s < 4; s++) {
                     __m256i w[2][2], w_upper[2][2];  // [half][nibble]
-                    unpack(tile_codes[t] + (b * 4 + s) * 64, w);
-                    if constexpr (upper) unpack(tile_high_codes[t] + (b * 4 + s) * 64, w_upper);
+                    unpack(block, low_plane.bits, s, w);
+                    if constexpr (upper) unpack(high_block, high_plane.bits, s, w_upper);
                     for (int r = 0; r < R; r++) {
                         const int32_t* digits[2] = {high + r * k / 4 + 2 * s,
                                                     two_digits ? low + r * k / 4 + 2 * s : nullptr};
@@ -532,17 +537,17 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             }
             if ((b + 1) % blocks_per_group) continue;
             const int64_t g = b / blocks_per_group;
-            const float center = upper ? centers[b] + 16.f * high_centers[b] : centers[b];
+            const float center = upper ? low_plane.centers[b] + 16.f * high_plane.centers[b] : low_plane.centers[b];
             for (int t = 0; t < T; t++) {
                 const int64_t at = (tiles[t] * groups + g) * TILE_N;
-                prefetch_scales(scales + at);
-                prefetch_scales(zeros + at);
+                prefetch_scales(low_plane.scales + at);
+                prefetch_scales(low_plane.zeros + at);
                 for (int h = 0; h < 2; h++) {
-                    const __m256 scale = load_halves(scales + at + 8 * h);
-                    __m256 zero = load_halves(zeros + at + 8 * h);
+                    const __m256 scale = load_halves(low_plane.scales + at + 8 * h);
+                    __m256 zero = load_halves(low_plane.zeros + at + 8 * h);
                     if constexpr (upper)
-                        zero = _mm256_add_ps(zero, load_halves(high_zeros + (tiles[t] * high_groups + g) * TILE_N +
-                                                               8 * h));
+                        zero = _mm256_add_ps(zero, load_halves(high_plane.zeros +
+                                                               (tiles[t] * high_groups + g) * TILE_N + 8 * h));
                     for (int r = 0; r < R; r++) {
                         __m256 sum = _mm256_cvtepi32_ps(high_dot[t][r][h]);
                         if constexpr (two_digits)
@@ -567,20 +572,19 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
 }
 
 // The AVX512 path's dequantize_tile_block, 8 channels of the tile at a time.
-void store_dequantized_block(const Plane& low, const Plane* high, int64_t group, int64_t tile, int64_t b,
+void store_dequantized_block(const qrun_plane& low, const qrun_plane* high, int64_t group, int64_t tile, int64_t b,
                              uint16_t* out, int64_t ldo) {
     for (int h = 0; h < 2; h++) {
         __m256 values[BLOCK_K];
         for (int i = 0; i < BLOCK_K; i++) values[i] = _mm256_setzero_ps();
-        for (const Plane* plane : {&low, high}) {
+        for (const qrun_plane* plane : {&low, high}) {
             if (!plane) continue;
-            const int64_t blocks = plane->k / BLOCK_K;
             const int64_t at = (tile * (plane->k / group) + b * BLOCK_K / group) * TILE_N + 8 * h;
             const __m256 scale = load_halves(plane->scales + at), zero = load_halves(plane->zeros + at);
             const __m256 center = _mm256_set1_ps(float(plane->centers[b]));
-            const uint8_t* block = plane->codes + (tile * blocks + b) * 4 * 64 + 32 * h;
+            const uint8_t* block = plane->block(tile, b) + 32 * h;
             for (int slice = 0; slice < 4; slice++) {
-                const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + slice * 64));
+                const __m256i words = qrun_plane_slice<__m256i>(block, plane->bits, slice);
                 for (int j = 0; j < 4; j++)
                     for (int half = 0; half < 2; half++) {
                         const __m256i codes =
@@ -679,7 +683,7 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
     if (rows == 1) return few_rows<1, two_digits>(x, weights, out, streams, threads);
     if (rows == 2) return few_rows<2, two_digits>(x, weights, out, streams, threads);
     constexpr int64_t R = ROW_TILE<two_digits>;
-    const int64_t block_rows = std::max<int64_t>(1, ROW_BLOCK_BYTES / weights.k / R) * R;
+    const int64_t block_rows = std::max<int64_t>(1, ROW_BLOCK_BYTES / weights.low.k / R) * R;
     const int64_t tiles = weights.n / TILE_N, gate_tiles = out.gate_tiles;
     // a thread's tiles in order: gated, each gate tile and then its up tile (Output)
     const int64_t units = gate_tiles ? gate_tiles : tiles;
@@ -700,23 +704,18 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
 #endif
 
 // out [k, n] bfloat16 (row stride ldo) = the transpose of the weight the planes hold: the low digits' plane over all k
-// inputs, plus the high digits' over the first k_high (high_codes null: none), summed in float32 and rounded once.
+// inputs, plus the high digits' over the first high->k (high null: none), summed in float32 and rounded once.
 // Input-major, so each channel tile's 16 values of an input are one store (oneDNN multiplies either layout alike).
 // 0: done; 1: shapes the layout does not cover; 2: no kernel in this build.
-extern "C" int qrun_dequantize_planes(const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros,
-                                      const int8_t* centers, const uint8_t* high_codes, const uint16_t* high_scales,
-                                      const uint16_t* high_zeros, const int8_t* high_centers, int64_t n, int64_t k,
-                                      int64_t k_high, int64_t group, uint16_t* out, int64_t ldo, int threads) {
+extern "C" int qrun_dequantize_planes(const qrun_plane* low, const qrun_plane* high, int64_t n, int64_t group,
+                                      uint16_t* out, int64_t ldo, int threads) {
 #ifdef QRUN_HAS_PRODUCT
-    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)))
-        return 1;
-    const Plane low{codes, scales, zeros, centers, k}, high{high_codes, high_scales, high_zeros, high_centers, k_high};
+    if (!qrun_planes_fit(*low, high, n, group)) return 1;
     // a block of inputs' rows at a time, whole: each thread writes rows of its own
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < k / BLOCK_K; b++)
+    for (int64_t b = 0; b < low->k / BLOCK_K; b++)
         for (int64_t tile = 0; tile < n / TILE_N; tile++)
-            store_dequantized_block(low, high_codes && b * BLOCK_K < k_high ? &high : nullptr, group, tile, b, out,
-                                    ldo);
+            store_dequantized_block(*low, high && b * BLOCK_K < high->k ? high : nullptr, group, tile, b, out, ldo);
     return 0;
 #else
     return 2;
@@ -750,31 +749,27 @@ extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint
 }
 
 // y [M, N] (row stride ldy; y_kind 0: float32, 1: bfloat16, 2: float32 holding each value's bfloat16 rounding) =
-// x[:, :K] W^T (x float32, or bfloat16 when x_bfloat16; row stride ldx), with x rounded to `input_digits` (1 or 2)
-// int8 digits per element; or where `gated` (N a multiple of 32, y_kind 0 or 1), y [M, N / 2] = silu of the product's
-// first N / 2 columns times its last, rounded as kernels/cpu_activation.cpp rounds them. W: the low plane (codes,
-// scales, zeros, centers) over all K inputs plus, over the first k_high, the high plane's upper digits of 5-8-bit
-// codes (high_codes null: none; its scales, 16x the low plane's, are not read: checked where the planes are made, by
+// x[:, :K] W^T (x float32, or bfloat16 when x_bfloat16; row stride ldx; K = low->k), with x rounded to
+// `input_digits` (1 or 2) int8 digits per element; or where `gated` (N a multiple of 32, y_kind 0 or 1), y [M, N / 2]
+// = silu of the product's first N / 2 columns times its last, rounded as kernels/cpu_activation.cpp rounds them. W:
+// the low plane over all K inputs plus, over the first high->k, the high plane's upper digits of 5-8-bit codes (high
+// null: none; its scales, 16x the low plane's, are not read: checked where the planes are made, by
 // qrun_quant_matmul_upper_digits). At one or two rows each thread reads `read_streams` (1, 2 or 4) runs of tiles side
 // by side (the same result whatever the count). 0: done; 1: shapes the layout does not cover (or another stream
 // count); 2: no kernel in this build.
-extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const uint8_t* codes,
-                                 const uint16_t* scales, const uint16_t* zeros, const int8_t* centers,
-                                 const uint8_t* high_codes, const uint16_t* high_zeros, const int8_t* high_centers,
-                                 int64_t k_high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
-                                 int64_t n, int64_t k, int64_t group, int input_digits, int read_streams, int threads) {
+extern "C" int qrun_quant_matmul(const void* x, int x_bfloat16, int64_t ldx, const qrun_plane* low,
+                                 const qrun_plane* high, void* y, int y_kind, int gated, int64_t ldy, int64_t rows,
+                                 int64_t n, int64_t group, int input_digits, int read_streams, int threads) {
 #ifdef QRUN_HAS_PRODUCT
-    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || input_digits < 1 || input_digits > 2 ||
-        y_kind < FLOAT32 || y_kind > BFLOAT16_WIDENED ||
-        (gated && (n % (2 * TILE_N) || y_kind == BFLOAT16_WIDENED)) ||
-        (high_codes && (k_high % group || k_high < 0 || k_high > k)) ||
+    if (!qrun_planes_fit(*low, high, n, group) || input_digits < 1 || input_digits > 2 || y_kind < FLOAT32 ||
+        y_kind > BFLOAT16_WIDENED || (gated && (n % (2 * TILE_N) || y_kind == BFLOAT16_WIDENED)) ||
         (read_streams != 1 && read_streams != 2 && read_streams != 4))
         return 1;
+    const int64_t k = low->k;
     const QuantizedRows& quantized =
         x_bfloat16 ? quantize_rows(static_cast<const uint16_t*>(x), rows, ldx, k, group, input_digits == 2, threads)
                    : quantize_rows(static_cast<const float*>(x), rows, ldx, k, group, input_digits == 2, threads);
-    const Weights weights{codes, scales, zeros, centers, n, k, group, high_codes, high_zeros, high_centers,
-                          high_codes ? k_high : 0};
+    const Weights weights{*low, high ? *high : qrun_plane{.k = 0}, n, group};
     const Output out{y, ldy, OutputKind(y_kind), gated ? n / TILE_N / 2 : 0};
     if (input_digits == 2)
         quant_matmul<true>(quantized, rows, weights, out, read_streams, threads);

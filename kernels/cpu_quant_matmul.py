@@ -52,7 +52,16 @@ the head takes two digits and the decoder layers one (`CpuQuantMatmul.input_digi
 Layout (`pack`): codes [N / 16][K / 32][4][16][4] bytes: for a tile of 16 channels and a block of
 32 inputs, 4 slices of 64 bytes, channel c's 4 bytes in slice s holding inputs 8s + j (low
 nibble) and 8s + 4 + j (high nibble); scales and zeros float16 [N / 16][K / group][16]; centers
-int8 [K / 32] (one value per group): w = (code - center) * scale + zero. A second plane
+int8 [K / 32] (one value per group): w = (code - center) * scale + zero. A plane whose codes
+need fewer bits stores them in as few (`code_bits`; cpu_quant_planes.h: 2 bits four to a byte, 1
+bit eight, 3 bits as 2 + 1), and the kernels unpack its slices to that layout, so a 2- or 3-bit
+matrix reads its own width from memory rather than nibbles: a batch-1 step of a 3.0-bpw SmolLM2
+reads 67.6 MB instead of 90.7 (4.0 bpw: 83.0 instead of 93.7, its 6-bit head's upper digits in 2
+bits). Unpacking 3 bits costs more instructions (one 3072 x 576 matrix in a core's cache: 78
+against 89 Gweights/s as nibbles) but reading them costs less (572 matrices of 2048 x 2048, past
+every cache: 43 against 52 ms, 1.21x); on a 2-core Xeon whose cache holds all of SmolLM2 the two
+even out (3.0-bpw 128-token single streams 425-457 tok/s against 432-438 as nibbles, alternating;
+one-off probes), and models past the cache, nearly all, read less a step. A second plane
 (`high_*`) adds the upper digits of 5-8-bit codes over the first `k_high` inputs
 (CpuQuantMatmul's split: qrun/quant.py), its scales 16x the low plane's (checked where the
 planes meet the kernel): the VNNI kernel multiplies the two digits as one 8-bit code (vpdpbusd's
@@ -95,19 +104,47 @@ def takes(n: int, k: int, group: int) -> bool:
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """codes [N, K] (0..15), scales and zeros [N, K / group] with w = (code - 8) * scale + zero
-    (torch's int4 kernel's convention) -> the kernel's (codes, scales, zeros, centers): each
-    group's codes centred on the middle of the range they use (a 2-bit group's on 2), the zeros
-    moved to match."""
+    (torch's int4 kernel's convention) -> the kernel's (codes, scales, zeros, centers): the codes
+    in as few bits as the largest needs (`code_bits`), each group's codes centred on the middle of
+    the range they use (a 2-bit group's on 2), the zeros moved to match."""
     n, k = codes.shape
     groups = scales.shape[1]
     per_group = codes.view(n, groups, -1)
     centers = (per_group.amin(dim=(0, 2)).int() + per_group.amax(dim=(0, 2)).int() + 1) // 2  # codes may be uint8
-    # tile, channel, block, slice, nibble, j
-    nibbles = codes.to(torch.uint8).view(n // TILE_N, TILE_N, k // BLOCK_K, 4, 2, 4)
-    packed = (nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+    # tile, block, vector q (inputs 4q .. 4q + 3 of each channel), channel, j
+    vectors = codes.to(torch.uint8).view(n // TILE_N, TILE_N, k // BLOCK_K, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = _packed_vectors(vectors, code_bits(codes))
     centred_zeros = zeros + (centers - 8).to(scales.dtype) * scales
     block_centers = centers.repeat_interleave(k // groups // BLOCK_K).to(torch.int8)
-    return packed.view(-1), _tiled(scales), _tiled(centred_zeros), block_centers
+    return packed.reshape(-1), _tiled(scales), _tiled(centred_zeros), block_centers
+
+
+def code_bits(codes: torch.Tensor) -> int:
+    """The bits a plane stores each of `codes` (0..15) in: as many as the largest needs (1-4)."""
+    return max(1, int(codes.max()).bit_length())
+
+
+def _packed_vectors(vectors: torch.Tensor, bits: int) -> torch.Tensor:
+    """[tiles, blocks, 8, 16, 4] codes below 2^bits -> [tiles, blocks, 64 bits] bytes: vector q in
+    slice q / (8 / bits), `bits` bits at bits * (q % (8 / bits)); 3 bits as 2 and then 1."""
+    if bits == 3:
+        return torch.cat([_packed_vectors(vectors & 3, 2), _packed_vectors(vectors >> 2, 1)], dim=2)
+    tiles, blocks = vectors.shape[:2]
+    per_byte = 8 // bits
+    digits = vectors.reshape(tiles, blocks, bits, per_byte, TILE_N, 4).int()
+    shifts = (torch.arange(per_byte) * bits).view(per_byte, 1, 1)
+    return (digits << shifts).sum(dim=3).to(torch.uint8).view(tiles, blocks, 64 * bits)
+
+
+def _unpacked_vectors(blocks: torch.Tensor, bits: int) -> torch.Tensor:
+    """`_packed_vectors`' inverse: [tiles, blocks, 64 bits] bytes -> [tiles, blocks, 8, 16, 4] codes."""
+    if bits == 3:
+        return _unpacked_vectors(blocks[..., :128], 2) | (_unpacked_vectors(blocks[..., 128:], 1) << 2)
+    tiles, count = blocks.shape[:2]
+    per_byte = 8 // bits
+    slices = blocks.reshape(tiles, count, bits, 1, TILE_N, 4).int()
+    shifts = (torch.arange(per_byte) * bits).view(per_byte, 1, 1)
+    return ((slices >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(tiles, count, 8, TILE_N, 4)
 
 
 def _tiled(values: torch.Tensor) -> torch.Tensor:
@@ -118,11 +155,11 @@ def _tiled(values: torch.Tensor) -> torch.Tensor:
 def unpack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, centers: torch.Tensor, group: int,
            n: int) -> torch.Tensor:
     """float32 [n, K]: the weight `pack` laid out."""
-    k = codes.numel() * 2 // n
-    # tile, channel, block, slice, j
-    packed = codes.view(n // TILE_N, k // BLOCK_K, 4, TILE_N, 4).permute(0, 3, 1, 2, 4)
-    nibbles = torch.stack([packed & 15, packed >> 4], dim=-2)  # ..., slice, nibble, j
-    values = nibbles.reshape(n, k).float() - centers.float().repeat_interleave(BLOCK_K)
+    k = centers.numel() * BLOCK_K
+    bits = codes.numel() * 8 // (n * k)
+    vectors = _unpacked_vectors(codes.view(n // TILE_N, k // BLOCK_K, 64 * bits), bits)
+    # tile, channel, block, vector, j
+    values = vectors.permute(0, 3, 1, 2, 4).reshape(n, k).float() - centers.float().repeat_interleave(BLOCK_K)
 
     def per_input(tiled):
         return tiled.float().transpose(1, 2).reshape(n, -1).repeat_interleave(group, dim=1)

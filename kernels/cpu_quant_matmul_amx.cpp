@@ -38,25 +38,17 @@ void configure(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
-// One plane in cpu_quant_matmul.cpp's layout.
-struct Plane {
-    const uint8_t* codes;
-    const uint16_t* scales;
-    const uint16_t* zeros;
-    const int8_t* centers;
-    int64_t k;  // inputs it covers (the first k of x's)
-};
-
 // Blocks [first, first + count) of channel tile `tile` as tdpbf16ps's B operand: per block 16 rows of 64 bytes,
-// row p holding (128 + code) of inputs 32b + 2p and 32b + 2p + 1 for each of the 16 channels. Slice s of a packed
-// block gives rows 4s .. 4s + 3: its channel c holds in byte j inputs 8s + j (low nibble) and 8s + 4 + j (high).
-void unpack_blocks(const Plane& plane, int64_t tile, int64_t first, int64_t count, uint8_t* out) {
+// row p holding (128 + code) of inputs 32b + 2p and 32b + 2p + 1 for each of the 16 channels. Slice s of a block
+// (qrun_plane_slice) gives rows 4s .. 4s + 3: its channel c holds in byte j inputs 8s + j (low nibble) and 8s + 4 + j
+// (high).
+void unpack_blocks(const qrun_plane& plane, int64_t tile, int64_t first, int64_t count, uint8_t* out) {
     // per 128-bit lane (4 channels): bytes 0, 1 of each channel, then bytes 2, 3
     const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     const __m512i nibble = _mm512_set1_epi8(15), exponent = _mm512_set1_epi8(0x43);
-    const uint8_t* codes = plane.codes + (tile * (plane.k / BLOCK_K) + first) * 4 * 64;
     for (int64_t slice = 0; slice < count * 4; slice++) {
-        const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(codes + slice * 64), pairs);
+        const __m512i codes = qrun_plane_slice<__m512i>(plane.block(tile, first + slice / 4), plane.bits, slice % 4);
+        const __m512i bytes = _mm512_shuffle_epi8(codes, pairs);
         const __m512i low = _mm512_and_si512(bytes, nibble);
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         uint8_t* rows = out + slice * 4 * 64;
@@ -126,8 +118,8 @@ void store_sums(float* sums) {
 // y[m0 .. m0 + rows, channel tiles t0, t0 + 1 (if two)] += group g of the plane (unpacked: its blocks, channel tile
 // t0's, then t0 + 1's): the group's sums on the tiles, then scaled into y.
 template <bool two_tiles, bool two_row_tiles>
-void multiply_group(const Problem& p, const Plane& plane, const uint8_t* unpacked, int64_t g, int64_t t0, int64_t m0,
-                    int rows, float* sums) {
+void multiply_group(const Problem& p, const qrun_plane& plane, const uint8_t* unpacked, int64_t g, int64_t t0,
+                    int64_t m0, int rows, float* sums) {
     const int64_t blocks = p.group / BLOCK_K, first = g * blocks;
     zero_sums<two_tiles, two_row_tiles>();
     multiply_blocks<two_tiles, two_row_tiles>(p, unpacked, unpacked + blocks * BLOCK_BYTES, first, blocks, m0,
@@ -150,7 +142,7 @@ void multiply_group(const Problem& p, const Plane& plane, const uint8_t* unpacke
 }
 
 template <bool two_tiles>
-void multiply_plane(const Problem& p, const Plane& plane, int64_t t0, uint8_t* unpacked, float* sums) {
+void multiply_plane(const Problem& p, const qrun_plane& plane, int64_t t0, uint8_t* unpacked, float* sums) {
     const int64_t blocks = p.group / BLOCK_K;
     for (int64_t g = 0; g < plane.k / p.group; g++) {
         unpack_blocks(plane, t0, g * blocks, blocks, unpacked);
@@ -170,7 +162,7 @@ void multiply_plane(const Problem& p, const Plane& plane, int64_t t0, uint8_t* u
 struct GroupTerms {
     __m512 center, scale_first, zero_first, scale_second, zero_second;
 
-    GroupTerms(const Plane& plane, int64_t group, int64_t tile, int64_t g) {
+    GroupTerms(const qrun_plane& plane, int64_t group, int64_t tile, int64_t g) {
         const int64_t at = (tile * (plane.k / group) + g) * TILE_N;
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.scales + at)));
         const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane.zeros + at)));
@@ -207,11 +199,11 @@ constexpr auto slice_order() {
 struct SliceValues {
     __m512 first[4], second[4];  // a row's values of channels 0-7, of channels 8-15
 
-    SliceValues(const uint8_t* slice, const GroupTerms& terms) {
+    SliceValues(__m512i slice, const GroupTerms& terms) {
         static constexpr auto order = slice_order();
         const __m512i nibble = _mm512_set1_epi8(15), exponent = _mm512_set1_epi8(0x43);
         const __m512i high_word = _mm512_set1_epi32(int(0xFFFF0000));
-        const __m512i bytes = _mm512_permutexvar_epi8(_mm512_loadu_si512(order.bytes), _mm512_loadu_si512(slice));
+        const __m512i bytes = _mm512_permutexvar_epi8(_mm512_loadu_si512(order.bytes), slice);
         const __m512i low_nibbles = _mm512_and_si512(bytes, nibble);
         const __m512i high_nibbles = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         const __m512i rows[4] = {_mm512_unpacklo_epi8(low_nibbles, exponent),
@@ -236,19 +228,22 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 // Weights mode: block b of channel tile `tile` of the planes, dequantized, as tdpbf16ps's B operand (the layout of
 // unpack_blocks, each value the bfloat16 of the low plane's (code - center) * scale + zero plus, over the high plane's
 // inputs, the high plane's: summed in float32 and rounded once, as dequantize_planes rounds).
-void dequantize_block(const Plane& low, const Plane* high, int64_t group, int64_t tile, int64_t b, uint8_t* out) {
+void dequantize_block(const qrun_plane& low, const qrun_plane* high, int64_t group, int64_t tile, int64_t b,
+                      uint8_t* out) {
     const int64_t g = b * BLOCK_K / group;
     const bool two_planes = high && g * group < high->k;
     const GroupTerms low_terms(low, group, tile, g);
     const GroupTerms high_terms = two_planes ? GroupTerms(*high, group, tile, g) : low_terms;
+    const uint8_t* block = low.block(tile, b);
+    const uint8_t* high_block = two_planes ? high->block(tile, b) : nullptr;
+    for (int line = 0; line < low.bits; line++)
+        _mm_prefetch(reinterpret_cast<const char*>(block + 64 * line + PREFETCH_BYTES), _MM_HINT_T0);
+    for (int line = 0; two_planes && line < high->bits; line++)
+        _mm_prefetch(reinterpret_cast<const char*>(high_block + 64 * line + PREFETCH_BYTES), _MM_HINT_T0);
     for (int slice = 0; slice < 4; slice++) {
-        const uint8_t* codes = low.codes + ((tile * (low.k / BLOCK_K) + b) * 4 + slice) * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(codes + PREFETCH_BYTES), _MM_HINT_T0);
-        SliceValues values(codes, low_terms);
+        SliceValues values(qrun_plane_slice<__m512i>(block, low.bits, slice), low_terms);
         if (two_planes) {
-            const uint8_t* high_codes = high->codes + ((tile * (high->k / BLOCK_K) + b) * 4 + slice) * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(high_codes + PREFETCH_BYTES), _MM_HINT_T0);
-            const SliceValues upper(high_codes, high_terms);
+            const SliceValues upper(qrun_plane_slice<__m512i>(high_block, high->bits, slice), high_terms);
             for (int r = 0; r < 4; r++) {
                 values.first[r] = _mm512_add_ps(values.first[r], upper.first[r]);
                 values.second[r] = _mm512_add_ps(values.second[r], upper.second[r]);
@@ -289,8 +284,8 @@ void multiply_dequantized(const Problem& p, int64_t t0, const uint8_t* weights, 
 // into one of two buffers (`buffers`, each two tiles' worth) block by block between the products of the pair before,
 // so the vector units dequantize while the tile unit multiplies (on a 2-core Xeon, ms before -> after: the 4.0-bpw
 // SmolLM2's 6-bit head at 32 rows 3.37 -> 2.83, at 64 4.21 -> 3.73; its 120 layer linears at 64 rows 13.4 -> 12.9).
-void multiply_dequantized_pairs(const Problem& p, const Plane& low, const Plane* high, int64_t tiles, int64_t first,
-                                int64_t last, uint8_t* buffers, float* sums) {
+void multiply_dequantized_pairs(const Problem& p, const qrun_plane& low, const qrun_plane* high, int64_t tiles,
+                                int64_t first, int64_t last, uint8_t* buffers, float* sums) {
     const int64_t blocks = p.k / BLOCK_K, tile_bytes = blocks * BLOCK_BYTES;
     const auto buffer = [&](int64_t pair) { return buffers + (pair - first) % 2 * 2 * tile_bytes; };
     const auto dequantize = [&](int64_t pair, int64_t b) {
@@ -323,21 +318,16 @@ extern "C" int qrun_quant_matmul_tiles_available() {
 #endif
 }
 
-// y [rows, n] (float32, or bfloat16 where y_bfloat16 in weights mode; row stride ldy) = x W^T (+ x[:, :k_high]
-// W_high^T where high_codes), x bfloat16 [rows, k]
-// (row stride ldx), the planes in cpu_quant_matmul.cpp's layout; in weights mode where dequantize_weights, else
-// in codes mode. 0: done; 1: shapes the layout does not cover; 2: no kernel in this build, or no tiles for this
-// process.
-extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uint8_t* codes, const uint16_t* scales,
-                                       const uint16_t* zeros, const int8_t* centers, const uint8_t* high_codes,
-                                       const uint16_t* high_scales, const uint16_t* high_zeros,
-                                       const int8_t* high_centers, int64_t k_high, void* y, int y_bfloat16,
-                                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int64_t group,
+// y [rows, n] (float32, or bfloat16 where y_bfloat16 in weights mode; row stride ldy) = x W^T (+ x[:, :high->k]
+// W_high^T where high is not null), x bfloat16 [rows, low->k] (row stride ldx), the planes qrun_planes (in
+// cpu_quant_matmul.cpp's layout); in weights mode where dequantize_weights, else in codes mode. 0: done; 1: shapes
+// the layout does not cover; 2: no kernel in this build, or no tiles for this process.
+extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const qrun_plane* low, const qrun_plane* high,
+                                       void* y, int y_bfloat16, int64_t ldy, int64_t rows, int64_t n, int64_t group,
                                        int dequantize_weights, int threads) {
 #ifdef QRUN_HAS_AMX
-    if (n % TILE_N || k % BLOCK_K || group % BLOCK_K || k % group || (high_codes && (k_high % group || k_high > k)) ||
-        (y_bfloat16 && !dequantize_weights))
-        return 1;
+    if (!qrun_planes_fit(*low, high, n, group) || (y_bfloat16 && !dequantize_weights)) return 1;
+    const int64_t k = low->k;
     if (!qrun_tiles_permitted()) return 2;
     const int64_t groups = k / group;
     std::vector<float> group_sums(dequantize_weights ? 0 : rows * groups);
@@ -355,8 +345,6 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
     std::vector<uint16_t> tail(tail_rows ? chunk * k : 0, 0);
     for (int64_t m = 0; m < tail_rows; m++) std::copy_n(x + (rows - tail_rows + m) * ldx, k, tail.data() + m * k);
     const Problem p{x, ldx, rows, k, group, tail.data(), group_sums.data(), y, ldy, y_bfloat16 != 0};
-    const Plane planes[2] = {{codes, scales, zeros, centers, k},
-                             {high_codes, high_scales, high_zeros, high_centers, k_high}};
     const int64_t tiles = n / TILE_N;
 #pragma omp parallel num_threads(threads)
     {
@@ -368,12 +356,13 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
         uint8_t* buffer = reinterpret_cast<uint8_t*>(aligned);
         alignas(64) float sums[2 * TILE_ROWS * 2 * TILE_N];
         configure(int(std::min<int64_t>(rows, TILE_ROWS)), int(std::clamp<int64_t>(rows - TILE_ROWS, 0, TILE_ROWS)));
-        const int count = high_codes ? 2 : 1;
+        const qrun_plane* planes[2] = {low, high};
+        const int count = high ? 2 : 1;
         const int64_t pairs = (tiles + 1) / 2;
         if (dequantize_weights) {  // each thread a run of pairs, so it can dequantize the next while multiplying one
             const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-            multiply_dequantized_pairs(p, planes[0], count == 2 ? &planes[1] : nullptr, tiles, pairs * part / parts,
-                                       pairs * (part + 1) / parts, buffer, sums);
+            multiply_dequantized_pairs(p, *low, high, tiles, pairs * part / parts, pairs * (part + 1) / parts, buffer,
+                                       sums);
         }
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < (dequantize_weights ? 0 : pairs); pair++) {
@@ -383,9 +372,9 @@ extern "C" int qrun_quant_matmul_tiles(const uint16_t* x, int64_t ldx, const uin
                 std::fill_n(p.floats() + m * ldy + t0 * TILE_N, (two_tiles ? 2 : 1) * TILE_N, 0.f);
             for (int q = 0; q < count; q++) {
                 if (two_tiles)
-                    multiply_plane<true>(p, planes[q], t0, buffer, sums);
+                    multiply_plane<true>(p, *planes[q], t0, buffer, sums);
                 else
-                    multiply_plane<false>(p, planes[q], t0, buffer, sums);
+                    multiply_plane<false>(p, *planes[q], t0, buffer, sums);
             }
         }
         _tile_release();

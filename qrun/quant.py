@@ -233,11 +233,11 @@ class _CpuParts:
 class CpuQuantMatmul(nn.Module):
     """The CPU fast path of one or more packed linears sharing an input (outputs concatenated).
 
-    Every weight is a plane of 4-bit codes: a group of <= 4 bits is already on that grid; a
-    wider code splits into two 4-bit digits, q = 16 hi + lo, so a 5-8-bit group is one pass over
-    the low digits plus one over the high digits with 16x the scale (the wide groups are a prefix
-    of the packed rows: act order puts them first). The planes run on one of two kernels, chosen
-    per matrix at load:
+    Every weight is a plane of 4-bit codes (stored in as few bits as they need): a group of <= 4
+    bits is already on that grid; a wider code splits into two 4-bit digits, q = 16 hi + lo, so a
+    5-8-bit group is one pass over the low digits plus one over the high digits with 16x the scale
+    (the wide groups are a prefix of the packed rows: act order puts them first). The planes run on
+    one of two kernels, chosen per matrix at load:
     - `kernels/cpu_quant_matmul.py`'s (int8 activations times the codes, AVX512-VNNI; on CPUs with
       AMX, `tile_rows()` bfloat16 rows and more on the tile unit, and prefill chunks from
       `dequantize_rows()` rows on through oneDNN on the weight dequantized per call), where the CPU
@@ -412,7 +412,7 @@ def measure_read_streams(model: nn.Module) -> None:
     matmuls = vnni_matmuls(model)
 
     def product(matmul: CpuQuantMatmul) -> tuple[Callable[[int], object], int]:
-        row = torch.randn(1, matmul.planes[0].numel() * 2 // matmul.out_features, dtype=torch.bfloat16)
+        row = torch.randn(1, matmul.planes[3].numel() * cpu_quant_matmul.BLOCK_K, dtype=torch.bfloat16)
         return (lambda streams: matmul.multiply_planes(row, streams),
                 sum(t.numel() * t.element_size() for t in matmul.planes if t is not None))
 

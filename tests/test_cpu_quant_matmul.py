@@ -30,34 +30,36 @@ def weights(draw):
     n = 16 * draw(st.integers(1, 24))  # from 8 tiles each thread reads some side by side at one or two rows
     k_high = group * draw(st.integers(0, k // group))
     seed = draw(st.integers(0, 2**31 - 1))
-    return n, k, group, k_high, seed
+    bits = draw(st.tuples(st.integers(1, 4), st.integers(1, 4)))  # the codes' widths: each plane's storage
+    return n, k, group, k_high, seed, bits
 
 
-def planes(n: int, k: int, group: int, k_high: int, seed: int, high_scale: float = 16.0):
-    """A low plane over k inputs and a high one over the first k_high: the upper digits of 8-bit codes, whose scales
-    are `high_scale` (16: as packed) times the low digits'."""
+def planes(n: int, k: int, group: int, k_high: int, seed: int, bits=(4, 4), high_scale: float = 16.0):
+    """A low plane over k inputs and a high one over the first k_high: the upper digits of wide codes, whose scales
+    are `high_scale` (16: as packed) times the low digits'. bits: the (low, high) codes' widths, 1-4."""
     g = torch.Generator().manual_seed(seed)
 
-    def plane(scales):
-        codes = torch.randint(0, 16, scales.shape[:1] + (scales.shape[1] * group,), generator=g)
+    def plane(scales, width):
+        codes = torch.randint(0, 2**width, scales.shape[:1] + (scales.shape[1] * group,), generator=g)
         return cqm.pack(codes, scales, torch.randn(scales.shape, generator=g) * 0.1)
 
     scales = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).half().float()
-    return plane(scales), plane(high_scale * scales[:, :k_high // group]) if k_high else (None,) * 4
+    high = plane(high_scale * scales[:, :k_high // group], bits[1]) if k_high else (None,) * 4
+    return plane(scales, bits[0]), high
 
 
 def problem(shape, rows: int):
     """The planes of `shape` and `rows` bfloat16 inputs for them."""
-    n, k, group, k_high, seed = shape
-    low, high = planes(n, k, group, k_high, seed)
+    n, k, group, k_high, seed, bits = shape
+    low, high = planes(n, k, group, k_high, seed, bits)
     return low, high, torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
 @settings(max_examples=40, deadline=None)
 @given(weights(), st.integers(1, 20), st.sampled_from([1, 2]))
 def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, digits):
-    n, k, group, k_high, seed = shape
-    low, high = planes(n, k, group, k_high, seed)
+    n, k, group, k_high, seed, bits = shape
+    low, high = planes(n, k, group, k_high, seed, bits)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
     got = cqm.quant_matmul(x, *low, group, n, *high, k_high, digits)
     ref = cqm.quant_matmul_ref(x, *low, group, n, *high, k_high, digits)
@@ -69,13 +71,13 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
                                                                pytest.param(1, 1, marks=needs_tiles)],
                          ids=["vnni", "amx-codes", "amx-weights"])
 @settings(max_examples=20, deadline=None)
-@example(shape=(64, 512, 128, 128, 1), rows=40, digits=2)  # 20,480 inputs: quantized by both threads
-@example(shape=(32, 512, 128, 128, 2), rows=140, digits=1)  # past 126 rows: more than one block of rows
+@example(shape=(64, 512, 128, 128, 1, (4, 4)), rows=40, digits=2)  # 20,480 inputs: quantized by both threads
+@example(shape=(32, 512, 128, 128, 2, (3, 2)), rows=140, digits=1)  # past 126 rows: more than one block of rows
 @given(weights(), st.integers(2, 70), st.sampled_from([1, 2]))
 def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows, shape, rows, digits):
     """VNNI: rows in groups of 6 (4 with two digits), in blocks of 64 KB of inputs; AMX: rows 1-16, 17-32 and a
     zero-padded copy of those past the last 32. From 16,384 inputs the rows are quantized on every thread."""
-    n, k, group, k_high, _ = shape
+    n, k, group, k_high = shape[:4]
     low, high, x = problem(shape, rows)
     kernel = dict(digits=digits, tile_rows=tile_rows, tile_dequantize_rows=tile_dequantize_rows)
     batched = op(x, low, group, n, high, k_high, **kernel)
@@ -88,7 +90,7 @@ def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows,
 @given(weights(), st.integers(1, 70))
 def test_tile_kernel_matches_the_reference_within_bfloat16_output_rounding(shape, rows):
     """x enters the tiles unrounded and the codes exactly: only float32 sums and the output's rounding."""
-    n, k, group, k_high, _ = shape
+    n, k, group, k_high = shape[:4]
     low, high, x = problem(shape, rows)
     got = op(x, low, group, n, high, k_high, tile_rows=1)
     ref = cqm.quant_matmul_ref(x.float(), *low, group, n, *high, k_high, 1)
@@ -102,7 +104,7 @@ def test_tile_kernel_matches_the_reference_within_bfloat16_output_rounding(shape
 def test_tile_kernel_in_weights_mode_multiplies_the_dequantized_weight(shape, rows):
     """Weights mode multiplies dequantize_planes' bfloat16 weight (both planes summed, rounded once) in float32 sums;
     only the output's bfloat16 rounding and the sums' float32 rounding separate it from that product."""
-    n, k, group, k_high, _ = shape
+    n, k, group, k_high = shape[:4]
     low, high, x = problem(shape, rows)
     got = op(x, low, group, n, high, k_high, tile_rows=1, tile_dequantize_rows=1).double()
     weight = cqm.dequantize_planes(*low, group, n, *high, k_high).double()
@@ -114,14 +116,17 @@ def test_tile_kernel_in_weights_mode_multiplies_the_dequantized_weight(shape, ro
 @settings(deadline=None)
 @given(weights())
 def test_pack_then_unpack_gives_the_weight(shape):
-    n, k, group, _, seed = shape
+    n, k, group, _, seed, (bits, _) = shape
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g)
+    codes = torch.randint(0, 2**bits, (n, k), generator=g)
     scales, zeros = torch.rand(n, k // group, generator=g), torch.randn(n, k // group, generator=g)
-    unpacked = cqm.unpack(*cqm.pack(codes, scales, zeros), group, n)
-    scales, zeros = scales.half().float(), zeros.half().float()  # as packed
-    expected = (codes.float() - 8).view(n, -1, group) * scales[..., None] + zeros[..., None]
-    torch.testing.assert_close(unpacked, expected.view(n, k), rtol=1e-6, atol=1e-6)
+    packed = cqm.pack(codes, scales, zeros)
+    assert packed[0].numel() == n * k * cqm.code_bits(codes) // 8  # each code in as few bits as the largest needs
+    unpacked = cqm.unpack(*packed, group, n)
+    centers = packed[3][::group // 32].float()  # each group's codes centred, its zero moved to match: as packed
+    centred_zeros = (zeros + (centers - 8) * scales).half().float()
+    expected = (codes.float().view(n, -1, group) - centers[:, None]) * scales.half().float()[..., None]
+    torch.testing.assert_close(unpacked, (expected + centred_zeros[..., None]).view(n, k), rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=20, deadline=None)
@@ -129,7 +134,7 @@ def test_pack_then_unpack_gives_the_weight(shape):
 def test_every_read_stream_count_gives_the_same_product(shape, rows, digits):
     """Streams only reorder which tiles a thread reads when; each channel's sums are the same."""
     low, high, x = problem(shape, rows)
-    n, k, group, k_high, _ = shape
+    n, k, group, k_high = shape[:4]
     products = [op(x, low, group, n, high, k_high, digits, read_streams=streams) for streams in READ_STREAMS]
     assert all(torch.equal(product, products[0]) for product in products[1:])
 
@@ -143,7 +148,7 @@ def test_a_high_plane_that_is_not_the_upper_digits_is_refused_by_name():
 
 
 def test_a_read_stream_count_the_kernel_lacks_is_rejected_naming_the_choices():
-    low, high, x = problem((32, 64, 32, 0, 0), 1)
+    low, high, x = problem((32, 64, 32, 0, 0, (4, 4)), 1)
     with pytest.raises(RuntimeError, match="read_streams must be 1, 2 or 4"):
         op(x, low, 32, 32, high, 0, read_streams=3)
 
@@ -172,8 +177,8 @@ def test_bfloat16_inputs_give_the_float_result_rounded_as_torch_rounds():
 @settings(max_examples=20, deadline=None)
 @given(weights())
 def test_dequantize_planes_gives_the_unpacked_weight_rounded_once(shape):
-    n, k, group, k_high, seed = shape
-    low, high = planes(n, k, group, k_high, seed)
+    n, k, group, k_high, seed, bits = shape
+    low, high = planes(n, k, group, k_high, seed, bits)
     expected = cqm.unpack(*low, group, n)
     if k_high:
         expected[:, :k_high] += cqm.unpack(*high, group, n)

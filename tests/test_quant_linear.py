@@ -64,6 +64,21 @@ def test_fast_cpu_path_matches_reference(monkeypatch, int4_kernel, cand, k, n, r
     assert rel < 2e-2  # int8 (vnni) or bfloat16 (int4pack) activations
 
 
+@pytest.mark.skipif(not cpu_quant_matmul.available(), reason="no AVX512-VNNI kernel on this machine")
+@pytest.mark.parametrize("bits, stored", [(2, (2, None)), (3, (3, None)), (4, (4, None)), (5, (4, 1)), (6, (4, 2)),
+                                          (8, (4, 4))])
+def test_cpu_planes_store_each_digit_in_the_bits_its_codes_need(bits, stored):
+    """A 3-bit matrix is read as 3 bits a weight, a 6-bit one's upper digits as 2: not nibbles."""
+    n, k = 64, 256
+    module, _ = quant_linear(Candidate(128, ((bits, 1.0),), asym=True), k, n)
+    module.prepare()
+    planes = module.cpu_matmul.planes
+    assert planes[0].numel() * 8 == n * k * stored[0]
+    assert (planes[4] is None) == (stored[1] is None)
+    if stored[1] is not None:
+        assert planes[4].numel() * 8 == n * k * stored[1]
+
+
 @pytest.mark.skipif(not cpu_int4.layout_is_known(), reason="no C++ kernels, or torch packs int4 differently")
 @pytest.mark.parametrize("cand", [Candidate(64, ((4, 0.5), (3, 0.5))),
                                   Candidate(128, ((8, 0.25), (6, 0.25), (4, 0.5)))])  # wide codes: two digits
