@@ -47,7 +47,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp", "cpu_read.cpp",
                              "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_token_bitmask.cpp", "cpu_ops.cpp",
                              "cpu_model.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_ops.h"))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # in the build's key with the sources
 # QRUN_CPU_ARCH: another -march than this CPU's (native), e.g. x86-64-v3 to run the kernels' AVX2 paths on a CPU with
 # AVX-512 (with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own).
 _FLAGS = ("-O3", f"-march={os.environ.get('QRUN_CPU_ARCH', 'native')}", "-fno-math-errno", "-fassociative-math",

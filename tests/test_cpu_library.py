@@ -1,7 +1,9 @@
-"""The C++ CPU kernels' library: a failed build leaves it off with a reason, and loading it does
-not change the process's floating-point mode."""
+"""The C++ CPU kernels' library: a failed build leaves it off with a reason, loading it does
+not change the process's floating-point mode, and every file it is built from keys its cache."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -26,3 +28,10 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert cpu_library.available()
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert (tiny * 1.0).item() > 0
+
+
+def test_every_header_the_kernels_include_is_in_the_builds_key():
+    """An edited header must rebuild the library: a header missing from the key left a stale build."""
+    included = {name for path in (*cpu_library.SOURCES, *cpu_library.HEADERS)
+                for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included <= {path.name for path in cpu_library.HEADERS}
