@@ -257,16 +257,17 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 if constexpr (upper)
                     for (int line = 0; line < high_plane.bits; line++) prefetch_ahead(high_block + 64 * line);
                 __m512i w[8];
-                if (low_plane.bits == 4 && (!upper || high_plane.bits == 4)) {
+                if (low_plane.bits == 4) {
+                    __m512i upper_digits[8];
+                    if constexpr (upper) qrun_plane_upper_vectors(high_block, high_plane.bits, upper_digits);
                     for (int s = 0; s < 4; s++) {
                         const __m512i bytes = _mm512_loadu_si512(block + 64 * s);
                         if constexpr (upper) {
-                            const __m512i high = _mm512_loadu_si512(high_block + 64 * s);
                             // bitwise select (0xCA): low_nibbles' bits from the second operand, the rest from the
                             // third
-                            w[2 * s] = _mm512_ternarylogic_epi32(low_nibbles, bytes, _mm512_slli_epi16(high, 4), 0xCA);
-                            w[2 * s + 1] =
-                                _mm512_ternarylogic_epi32(low_nibbles, _mm512_srli_epi16(bytes, 4), high, 0xCA);
+                            w[2 * s] = _mm512_ternarylogic_epi32(low_nibbles, bytes, upper_digits[2 * s], 0xCA);
+                            w[2 * s + 1] = _mm512_ternarylogic_epi32(low_nibbles, _mm512_srli_epi16(bytes, 4),
+                                                                     upper_digits[2 * s + 1], 0xCA);
                         } else {
                             w[2 * s] = _mm512_and_si512(bytes, low_nibbles);
                             w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);

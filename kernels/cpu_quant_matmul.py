@@ -54,14 +54,16 @@ Layout (`pack`): codes [N / 16][K / 32][4][16][4] bytes: for a tile of 16 channe
 nibble) and 8s + 4 + j (high nibble); scales and zeros float16 [N / 16][K / group][16]; centers
 int8 [K / 32] (one value per group): w = (code - center) * scale + zero. A plane whose codes
 need fewer bits stores them in as few (`code_bits`; cpu_quant_planes.h: 2 bits four to a byte, 1
-bit eight, 3 bits as 2 + 1), and the kernels unpack its slices to that layout, so a 2- or 3-bit
-matrix reads its own width from memory rather than nibbles: a batch-1 step of a 3.0-bpw SmolLM2
-reads 67.6 MB instead of 90.7 (4.0 bpw: 83.0 instead of 93.7, its 6-bit head's upper digits in 2
-bits). Unpacking 3 bits costs more instructions (one 3072 x 576 matrix in a core's cache: 78
-against 89 Gweights/s as nibbles) but reading them costs less (572 matrices of 2048 x 2048, past
-every cache: 43 against 52 ms, 1.21x); on a 2-core Xeon whose cache holds all of SmolLM2 the two
-even out (3.0-bpw 128-token single streams 425-457 tok/s against 432-438 as nibbles, alternating;
-one-off probes), and models past the cache, nearly all, read less a step. A second plane
+bit eight, 3 bits eight to three bytes), and the kernels unpack them to that layout, so a 2- or
+3-bit matrix reads its own width from memory rather than nibbles: a batch-1 step of a 3.0-bpw
+SmolLM2 reads 67.6 MB instead of 90.7 (4.0 bpw: 83.0 instead of 93.7, its 6-bit head's upper
+digits in 2 bits). Unpacking 3 bits takes 19 instructions a block of a tile against 12 for
+nibbles, which reading fewer bytes repays once they come from memory: one-row products of 3-bit
+3072 x 576 matrices in groups of 96 on a 2-core Xeon, one in a core's cache 79 against 80
+Gweights/s as nibbles, 67 side by side (49 MB) 55 against 48, 1356 (1 GB, past every cache) 54
+against 64 ms; SmolLM2, whose weights that Xeon's cache holds whole, ran as fast either way
+(3.0-bpw 128-token single streams 425-457 tok/s against 432-438 as nibbles; one-off probes,
+alternating). A second plane
 (`high_*`) adds the upper digits of 5-8-bit codes over the first `k_high` inputs
 (CpuQuantMatmul's split: qrun/quant.py), its scales 16x the low plane's (checked where the
 planes meet the kernel): the VNNI kernel multiplies the two digits as one 8-bit code (vpdpbusd's
@@ -126,10 +128,14 @@ def code_bits(codes: torch.Tensor) -> int:
 
 def _packed_vectors(vectors: torch.Tensor, bits: int) -> torch.Tensor:
     """[tiles, blocks, 8, 16, 4] codes below 2^bits -> [tiles, blocks, 64 bits] bytes: vector q in
-    slice q / (8 / bits), `bits` bits at bits * (q % (8 / bits)); 3 bits as 2 and then 1."""
-    if bits == 3:
-        return torch.cat([_packed_vectors(vectors & 3, 2), _packed_vectors(vectors >> 2, 1)], dim=2)
+    slice q / (8 / bits), `bits` bits at bits * (q % (8 / bits)); 3 bits as cpu_quant_planes.h lays
+    them out (vectors 2s, 2s + 1 in slice s, 6 and 7 split over the slices' top bits)."""
     tiles, blocks = vectors.shape[:2]
+    if bits == 3:
+        v = vectors.int().unbind(2)
+        slices = [v[0] | v[1] << 3 | (v[6] & 3) << 6, v[2] | v[3] << 3 | (v[7] & 3) << 6,
+                  v[4] | v[5] << 3 | (v[6] >> 2) << 6 | (v[7] >> 2) << 7]
+        return torch.stack(slices, 2).to(torch.uint8).view(tiles, blocks, 64 * bits)
     per_byte = 8 // bits
     digits = vectors.reshape(tiles, blocks, bits, per_byte, TILE_N, 4).int()
     shifts = (torch.arange(per_byte) * bits).view(per_byte, 1, 1)
@@ -138,9 +144,12 @@ def _packed_vectors(vectors: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpacked_vectors(blocks: torch.Tensor, bits: int) -> torch.Tensor:
     """`_packed_vectors`' inverse: [tiles, blocks, 64 bits] bytes -> [tiles, blocks, 8, 16, 4] codes."""
-    if bits == 3:
-        return _unpacked_vectors(blocks[..., :128], 2) | (_unpacked_vectors(blocks[..., 128:], 1) << 2)
     tiles, count = blocks.shape[:2]
+    if bits == 3:
+        b0, b1, b2 = blocks.reshape(tiles, count, 3, TILE_N, 4).int().unbind(2)
+        v = [b0 & 7, b0 >> 3 & 7, b1 & 7, b1 >> 3 & 7, b2 & 7, b2 >> 3 & 7, b0 >> 6 | (b2 >> 6 & 1) << 2,
+             b1 >> 6 | (b2 >> 7 & 1) << 2]
+        return torch.stack(v, 2).to(torch.uint8)
     per_byte = 8 // bits
     slices = blocks.reshape(tiles, count, bits, 1, TILE_N, 4).int()
     shifts = (torch.arange(per_byte) * bits).view(per_byte, 1, 1)

@@ -9,7 +9,8 @@
 // vector q = 0..7 (inputs 4q + j) in slice q / 2, nibble q % 2. Narrower, the same vectors pack 8 / bits to a byte:
 //   2 bits: 2 slices, vector q in slice q / 4, bits 2 (q % 4) and up;
 //   1 bit:  1 slice, vector q in bit q;
-//   3 bits: the codes' low 2 bits as 2 bits (2 slices), then their third bit as 1 bit (1 slice).
+//   3 bits: 3 slices, vectors 2s and 2s + 1 in slice s's bits 0 and 3 (s = 0, 1, 2), vectors 6 and 7's low 2 bits in
+//           bits 6 and 7 of slices 0 and 1, their third bits in bits 6 and 7 of slice 2.
 
 #pragma once
 
@@ -75,6 +76,14 @@ inline V bits_as_nibbles(V packed, int s) {
     return (shifted & bytes(0x01, V{})) | shift_left(shifted & bytes(0x02, V{}), 3);
 }
 
+// Vector q of a 3-bit block (the layout above): a shift and a mask for vectors 0-5, two of each for 6 and 7.
+template <typename V>
+inline V three_bit_vector(const uint8_t* block, int q) {
+    if (q < 6) return shift_right(load(block + 64 * (q / 2), V{}), 3 * (q % 2)) & bytes(7, V{});
+    return (shift_right(load(block + 64 * (q - 6), V{}), 6) & bytes(3, V{})) |
+           (shift_right(load(block + 128, V{}), q - 2) & bytes(4, V{}));
+}
+
 }  // namespace qrun_planes
 
 #if defined(__AVX512BW__)
@@ -83,13 +92,7 @@ namespace qrun_planes {
 template <int bits>
 [[gnu::always_inline]] inline void vectors_of(const uint8_t* block, __m512i vectors[8]) {
     if constexpr (bits == 3) {
-        vectors_of<2>(block, vectors);
-        const __m512i third = _mm512_loadu_si512(block + 128), bit = _mm512_set1_epi8(4);
-        vectors[0] = _mm512_ternarylogic_epi32(vectors[0], _mm512_slli_epi16(third, 2), bit, 0xF8);  // a | (b & c)
-        vectors[1] = _mm512_ternarylogic_epi32(vectors[1], _mm512_slli_epi16(third, 1), bit, 0xF8);
-        vectors[2] = _mm512_ternarylogic_epi32(vectors[2], third, bit, 0xF8);
-        for (int q = 3; q < 8; q++)
-            vectors[q] = _mm512_ternarylogic_epi32(vectors[q], _mm512_srli_epi16(third, unsigned(q - 2)), bit, 0xF8);
+        for (int q = 0; q < 8; q++) vectors[q] = three_bit_vector<__m512i>(block, q);
     } else {
         constexpr int per_byte = 8 / bits;
         const __m512i mask = _mm512_set1_epi8(char((1 << bits) - 1));
@@ -102,11 +105,38 @@ template <int bits>
     }
 }
 
+// Vector q of a block of upper digits in bits 4-7 of each byte, bits 0-3 left as they fall (the caller selects the
+// low digit's there): 4 bits as the nibbles lie (a shift for the even vectors), 2 and 1 bits a shift and a mask.
+template <int bits>
+[[gnu::always_inline]] inline void upper_vectors_of(const uint8_t* block, __m512i vectors[8]) {
+    if constexpr (bits == 4) {
+        for (int s = 0; s < 4; s++) {
+            const __m512i packed = _mm512_loadu_si512(block + 64 * s);
+            vectors[2 * s] = _mm512_slli_epi16(packed, 4);
+            vectors[2 * s + 1] = packed;
+        }
+    } else if constexpr (bits == 3) {
+        for (int q = 0; q < 8; q++) vectors[q] = _mm512_slli_epi16(three_bit_vector<__m512i>(block, q), 4);
+    } else {
+        constexpr int per_byte = 8 / bits;
+        const __m512i mask = _mm512_set1_epi8(char(((1 << bits) - 1) << 4));
+        for (int slice = 0; slice < bits; slice++) {
+            const __m512i packed = _mm512_loadu_si512(block + 64 * slice);
+            for (int p = 0; p < per_byte; p++) {  // bits * p up to bit 4: the 16-bit shifts' spill lands below it
+                const int shift = 4 - bits * p;
+                const __m512i moved = shift >= 0 ? _mm512_slli_epi16(packed, unsigned(shift))
+                                                 : _mm512_srli_epi16(packed, unsigned(-shift));
+                vectors[slice * per_byte + p] = _mm512_and_si512(moved, mask);
+            }
+        }
+    }
+}
+
 }  // namespace qrun_planes
 
 // The 8 code vectors of a block (vector q: inputs 4q + j of each channel in byte 4c + j, below 2^bits) from its
-// bytes at `block` in a plane of `bits` bits a code: vpdpbusd's operands, a shift and a mask each (3 bits: and a
-// shift and a select for the third bit).
+// bytes at `block` in a plane of `bits` bits a code: vpdpbusd's operands, a shift and a mask each (3 bits: two of
+// each for vectors 6 and 7).
 [[gnu::always_inline]] inline void qrun_plane_vectors(const uint8_t* block, int bits, __m512i vectors[8]) {
     switch (bits) {
         case 1:
@@ -117,6 +147,21 @@ template <int bits>
             return qrun_planes::vectors_of<3>(block, vectors);
         default:
             return qrun_planes::vectors_of<4>(block, vectors);
+    }
+}
+
+// qrun_plane_vectors for a plane of upper digits, each vector's digits in bits 4-7 of its bytes and bits 0-3 left as
+// they fall: one select (vpternlogd) a vector joins them to a 4-bit plane's digits.
+[[gnu::always_inline]] inline void qrun_plane_upper_vectors(const uint8_t* block, int bits, __m512i vectors[8]) {
+    switch (bits) {
+        case 1:
+            return qrun_planes::upper_vectors_of<1>(block, vectors);
+        case 2:
+            return qrun_planes::upper_vectors_of<2>(block, vectors);
+        case 3:
+            return qrun_planes::upper_vectors_of<3>(block, vectors);
+        default:
+            return qrun_planes::upper_vectors_of<4>(block, vectors);
     }
 }
 #endif
@@ -135,8 +180,7 @@ template <typename V>
         case 1:
             return bits_as_nibbles(load(block, V{}), s);
         default:  // 3
-            return pairs_as_nibbles(load(block + 64 * (s / 2), V{}), s % 2) |
-                   shift_left(bits_as_nibbles(load(block + 128, V{}), s), 2);
+            return three_bit_vector<V>(block, 2 * s) | shift_left(three_bit_vector<V>(block, 2 * s + 1), 4);
     }
 }
 #endif
