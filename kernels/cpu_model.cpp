@@ -118,7 +118,7 @@ struct Linear {
     // QUANT: the op's kernel choice by rows (cpu_quant_matmul.py); QUANT and HALF_GEMV*: the streams each thread
     // reads at one or two rows (read_streams.py); HALF_GEMV*: the most rows the float16 GEMV takes (cpu_linear.py)
     int64_t tile_rows = 0, tile_dequantize_rows = 0, dequantize_rows = 0, read_streams = 0, gemv_rows = 0;
-    qrun_ops::VnniPlanes vnni;  // QUANT: the weights as the VNNI kernel reads them, checked once
+    qrun_ops::QuantPlanes vnni;  // QUANT: the weights as the VNNI kernel reads them, checked once
 
     // kernels/cpu_quant_matmul.py's quant_matmul op (the VNNI kernel, the AMX one, or oneDNN on the dequantized
     // weight, by the rows), then the bias in x's dtype, as CpuQuantMatmul.forward adds it

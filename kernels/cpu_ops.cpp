@@ -83,7 +83,7 @@ at::Tensor dequantize_planes(const at::Tensor& codes, const at::Tensor& scales, 
                              const std::optional<at::Tensor>& high_codes, const std::optional<at::Tensor>& high_scales,
                              const std::optional<at::Tensor>& high_zeros,
                              const std::optional<at::Tensor>& high_centers, int64_t k_high) {
-    const qrun_ops::VnniPlanes planes = qrun_ops::quant_planes(codes, scales, zeros, centers, group, out_features,
+    const qrun_ops::QuantPlanes planes = qrun_ops::quant_planes(codes, scales, zeros, centers, group, out_features,
                                                                high_codes, high_scales, high_zeros, high_centers,
                                                                k_high, "dequantize_planes");
     const int64_t k = planes.low.k;
@@ -104,7 +104,7 @@ at::Tensor quant_matmul_tiles(const at::Tensor& x, const at::Tensor& codes, cons
                               const std::optional<at::Tensor>& high_zeros,
                               const std::optional<at::Tensor>& high_centers, int64_t k_high, bool dequantize_weights) {
     const int64_t k = x.size(1);
-    const qrun_ops::VnniPlanes planes = qrun_ops::quant_planes(codes, scales, zeros, centers, group, out_features,
+    const qrun_ops::QuantPlanes planes = qrun_ops::quant_planes(codes, scales, zeros, centers, group, out_features,
                                                                high_codes, high_scales, high_zeros, high_centers,
                                                                k_high, "quant_matmul");
     TORCH_CHECK(x.stride(1) == 1 && planes.low.k == k, "quant_matmul: x ", x.sizes(), " does not match the packed [",
@@ -539,7 +539,7 @@ bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows,
            ((dequantize_rows <= 0 || rows < dequantize_rows) && (tile_rows <= 0 || rows < tile_rows));
 }
 
-VnniPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+QuantPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                         const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
                         const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
                         int64_t k_high, const char* op) {
@@ -560,7 +560,7 @@ VnniPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const
                           static_cast<const uint16_t*>(zeros.data_ptr()),
                           static_cast<const int8_t*>(centers.data_ptr()), inputs, bits};
     };
-    VnniPlanes planes{plane(codes, scales, zeros, centers, centers.numel() * 32), {}, out_features, group};
+    QuantPlanes planes{plane(codes, scales, zeros, centers, centers.numel() * 32), {}, out_features, group};
     if (high_codes) planes.high = plane(*high_codes, *high_scales, *high_zeros, *high_centers, k_high);
     TORCH_CHECK(qrun_planes_fit(planes.low, planes.high_or_null(), out_features, group), op, ": packed weights do not "
                 "fit the layout: [", out_features, ", ", planes.low.k, "] in groups of ", group, ", high plane over ",
@@ -568,13 +568,13 @@ VnniPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const
     return planes;
 }
 
-VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+QuantPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
                        const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
                        int64_t k_high, int64_t input_digits, int64_t read_streams) {
     TORCH_CHECK(read_streams == 1 || read_streams == 2 || read_streams == 4, "quant_matmul: read_streams must be 1, 2 "
                 "or 4 (kernels/cpu_quant_matmul.py's READ_STREAMS), got ", read_streams);
-    VnniPlanes planes = quant_planes(codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
+    QuantPlanes planes = quant_planes(codes, scales, zeros, centers, group, out_features, high_codes, high_scales,
                                      high_zeros, high_centers, k_high, "quant_matmul");
     planes.input_digits = input_digits;
     planes.read_streams = read_streams;
@@ -586,7 +586,7 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
     return planes;
 }
 
-void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated) {
+void quant_matmul_vnni(const QuantPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated) {
     const bool bfloat16 = x.scalar_type() == at::kBFloat16, widened = bfloat16 && y.scalar_type() == at::kFloat;
     const int64_t columns = gated ? planes.n / 2 : planes.n;
     TORCH_CHECK((bfloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && y.dim() == 2 &&

@@ -33,10 +33,10 @@ void half_gemv_into(const at::Tensor& x, const at::Tensor& weight, const Optiona
 // Whether quant_matmul multiplies x's rows on the VNNI kernel (not AMX tiles or oneDNN; see its thresholds).
 bool quant_matmul_on_vnni(int64_t rows, at::ScalarType dtype, int64_t tile_rows, int64_t dequantize_rows);
 
-// An [n, k] weight's VNNI planes as the kernel reads them (kernels/cpu_quant_matmul.py's layout), checked once where
-// they are made: the C++ model's layer keeps them with its linear, the op makes them for each call. The tensors they
-// point into must outlive them.
-struct VnniPlanes {
+// An [n, k] weight's planes as the kernels read them (kernels/cpu_quant_matmul.py's layout), checked once where they
+// are made: the C++ model's layer keeps the VNNI kernel's with its linear, the ops make them for each call. The tensors
+// they point into must outlive them.
+struct QuantPlanes {
     qrun_plane low, high;  // high.codes null: one plane
     int64_t n = 0, group = 0, input_digits = 1, read_streams = 4;
 
@@ -45,13 +45,13 @@ struct VnniPlanes {
 
 // The planes of an [out_features, k] weight, checked against the layout (its widths follow from the codes' sizes);
 // `op` names the caller in what a mismatch raises.
-VnniPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+QuantPlanes quant_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                         const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
                         const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
                         int64_t k_high, const char* op);
 
 // quant_planes for the VNNI kernel, with its rounding of inputs and read streams.
-VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+QuantPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                        const at::Tensor& centers, int64_t group, int64_t out_features, const Optional& high_codes,
                        const Optional& high_scales, const Optional& high_zeros, const Optional& high_centers,
                        int64_t k_high, int64_t input_digits, int64_t read_streams);
@@ -61,7 +61,7 @@ VnniPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const 
 // float32 y holding those bfloat16 values (the product as its bfloat16 result widened, in one pass). gated (n a
 // multiple of 32; y of x's dtype): y [rows, n / 2] = silu of the product's first n / 2 columns times its last, as
 // kernels/cpu_activation.cpp computes it from the rounded product, with no pass of its own.
-void quant_matmul_vnni(const VnniPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated = false);
+void quant_matmul_vnni(const QuantPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated = false);
 
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);

@@ -159,6 +159,16 @@ def test_a_weight_of_the_wrong_shape_is_rejected_with_its_shapes():
         cqm.quant_matmul(torch.randn(2, 128), *low, 32, 32, None, None, None, None, 0, 1)
 
 
+def test_planes_whose_codes_fit_no_width_are_rejected_naming_the_shape():
+    """A plane's code width follows from its codes' size: one that gives no width of 1-4 bits is a bad pack."""
+    codes, scales, zeros, centers = planes(32, 64, 32, 0, 0)[0]
+    with pytest.raises(RuntimeError, match=r"packed weights do not match \[32, 64\] in groups of 32"):
+        cqm.dequantize_planes(codes[:-1].contiguous(), scales, zeros, centers, 32, 32, None, None, None, None, 0)
+    with pytest.raises(RuntimeError, match=r"packed weights do not match \[32, 64\] in groups of 32"):
+        op(torch.randn(1, 64).to(torch.bfloat16), (torch.cat([codes, codes]), scales, zeros, centers), 32, 32,
+           (None,) * 4, 0)
+
+
 def test_layout_limits():
     assert cqm.takes(48, 96, 32) and cqm.takes(16, 192, 96)
     assert not cqm.takes(40, 96, 32)  # channels come in tiles of 16
