@@ -131,15 +131,19 @@ def _packed_vectors(vectors: torch.Tensor, bits: int) -> torch.Tensor:
     slice q / (8 / bits), `bits` bits at bits * (q % (8 / bits)); 3 bits as cpu_quant_planes.h lays
     them out (vectors 2s, 2s + 1 in slice s, 6 and 7 split over the slices' top bits)."""
     tiles, blocks = vectors.shape[:2]
+    # in uint8 throughout (each code's bits land in a range of their own): a head's pack at load holds a
+    # few bytes a code at most
     if bits == 3:
-        v = vectors.int().unbind(2)
+        v = vectors.unbind(2)
         slices = [v[0] | v[1] << 3 | (v[6] & 3) << 6, v[2] | v[3] << 3 | (v[7] & 3) << 6,
                   v[4] | v[5] << 3 | (v[6] >> 2) << 6 | (v[7] >> 2) << 7]
-        return torch.stack(slices, 2).to(torch.uint8).view(tiles, blocks, 64 * bits)
+        return torch.stack(slices, 2).view(tiles, blocks, 64 * bits)
     per_byte = 8 // bits
-    digits = vectors.reshape(tiles, blocks, bits, per_byte, TILE_N, 4).int()
-    shifts = (torch.arange(per_byte) * bits).view(per_byte, 1, 1)
-    return (digits << shifts).sum(dim=3).to(torch.uint8).view(tiles, blocks, 64 * bits)
+    digits = vectors.reshape(tiles, blocks, bits, per_byte, TILE_N, 4)
+    packed = digits[:, :, :, 0].contiguous()
+    for p in range(1, per_byte):
+        packed |= digits[:, :, :, p] << bits * p
+    return packed.view(tiles, blocks, 64 * bits)
 
 
 def _unpacked_vectors(blocks: torch.Tensor, bits: int) -> torch.Tensor:
