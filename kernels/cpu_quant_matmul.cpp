@@ -256,10 +256,9 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 for (int line = 0; line < low_plane.bits; line++) prefetch_ahead(block + 64 * line);
                 if constexpr (upper)
                     for (int line = 0; line < high_plane.bits; line++) prefetch_ahead(high_block + 64 * line);
-                __m512i w[8];
+                __m512i w[8], upper_digits[8];
+                if constexpr (upper) qrun_plane_upper_vectors(high_block, high_plane.bits, upper_digits);
                 if (low_plane.bits == 4) {
-                    __m512i upper_digits[8];
-                    if constexpr (upper) qrun_plane_upper_vectors(high_block, high_plane.bits, upper_digits);
                     for (int s = 0; s < 4; s++) {
                         const __m512i bytes = _mm512_loadu_si512(block + 64 * s);
                         if constexpr (upper) {
@@ -275,11 +274,9 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                     }
                 } else {
                     qrun_plane_vectors(block, low_plane.bits, w);
-                    if constexpr (upper) {
-                        __m512i high[8];
-                        qrun_plane_vectors(high_block, high_plane.bits, high);
-                        for (int q = 0; q < 8; q++) w[q] = _mm512_or_si512(w[q], _mm512_slli_epi16(high[q], 4));
-                    }
+                    if constexpr (upper)
+                        for (int q = 0; q < 8; q++)
+                            w[q] = _mm512_ternarylogic_epi32(low_nibbles, w[q], upper_digits[q], 0xCA);
                 }
                 // the rows' sums input by input, side by side: R independent chains of vpdpbusd in flight (row by
                 // row, one digit ran ~10% slower at 64 rows)
