@@ -220,8 +220,7 @@ template <int R, int T, bool two_digits>
 void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
     const qrun_plane &low_plane = weights.low, &high_plane = weights.high;
     const int64_t k = low_plane.k, group = weights.group;
-    const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
-    const int64_t high_blocks = high_plane.k / BLOCK_K, high_groups = high_plane.k / group;
+    const int64_t groups = k / group, blocks_per_group = group / BLOCK_K, high_groups = high_plane.k / group;
     const int64_t block_bytes = low_plane.block_bytes(), high_block_bytes = high_plane.block_bytes();
     __m512 total[T][R];
     // Each row's int32 sums over the group so far, by the inputs' digit: the group's inputs share one step. Each
