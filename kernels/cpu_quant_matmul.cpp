@@ -48,9 +48,12 @@ constexpr int64_t ROW_BLOCK_BYTES = 1 << 16;
 // (one-off probes in issue 15's notes; the serving benchmark's single stream did not move).
 constexpr int64_t PREFETCH = 1024, PREFETCH_L2 = 8192;
 
-inline void prefetch_ahead(const uint8_t* stream) {
-    _mm_prefetch(reinterpret_cast<const char*>(stream + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(stream + PREFETCH_L2), _MM_HINT_T1);
+// The lines (64 bytes each) of a block of codes, ahead of the stream it is in.
+inline void prefetch_ahead(const uint8_t* block, int lines) {
+    for (int line = 0; line < lines; line++) {
+        _mm_prefetch(reinterpret_cast<const char*>(block + 64 * line + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + 64 * line + PREFETCH_L2), _MM_HINT_T1);
+    }
 }
 
 // The scales and zeros are streams of their own beside each tile's codes, 32 bytes a group, which the hardware's
@@ -62,6 +65,20 @@ constexpr int64_t SCALES_AHEAD = 256;
 
 inline void prefetch_scales(const uint16_t* stream) {
     _mm_prefetch(reinterpret_cast<const char*>(stream + SCALES_AHEAD), _MM_HINT_T0);
+}
+
+// A tile_rows' multiply_groups<upper, BITS>(first, last) over the groups the high plane covers (qrun_planes_fit makes
+// them whole groups), with its upper digits, then over the rest; the low plane's usual code widths (4 and 3 bits) as
+// constants, so their unpacking and prefetches unroll (BITS 0: the width read at run time).
+template <typename MultiplyGroups>
+inline void multiply_planes(const MultiplyGroups& multiply_groups, int low_bits, int64_t high_groups, int64_t groups) {
+    multiply_groups.template operator()<true, 0>(0, high_groups);
+    if (low_bits == 4)
+        multiply_groups.template operator()<false, 4>(high_groups, groups);
+    else if (low_bits == 3)
+        multiply_groups.template operator()<false, 3>(high_groups, groups);
+    else
+        multiply_groups.template operator()<false, 0>(high_groups, groups);
 }
 
 // x ~ step * (high + low / LOW_STEPS) per group: one int8 digit (high), or two, as
@@ -248,7 +265,8 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     // One row's input digits of a block, broadcast once for all T tiles (at more rows or two digits they would not
     // fit in the registers beside the tiles' sums and codes): one-row products of a 2048 x 1536 4-bit matrix in L2,
     // with that, the tiles' loop unrolled and the code width a constant, 1.13-1.22x faster than without (3-bit codes
-    // 1.14-1.17x; one-off probes alternating in one process on a 2-core Xeon; the same sums).
+    // 1.14-1.17x, two input digits 1.10-1.13x; one-off probes alternating in one process on a 2-core Xeon; the same
+    // sums).
     constexpr bool shared_inputs = R == 1 && !two_digits;
     // Block b of every tile into the sums, its codes BITS wide (0: the low plane's width, read at run time); with the
     // high plane, each weight an 8-bit code (its high digit's nibble above its low digit's) times the low plane's
@@ -261,13 +279,11 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
         [[maybe_unused]] __m512i inputs[8];
         if constexpr (shared_inputs)
             for (int q = 0; q < 8; q++) inputs[q] = _mm512_set1_epi32(high[q]);
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
+        const auto multiply_tile = [&](int t) {
             const uint8_t* block = tile_codes[t] + b * block_bytes;
             const uint8_t* high_block = upper ? tile_high_codes[t] + b * high_block_bytes : nullptr;
-            for (int line = 0; line < low_bits; line++) prefetch_ahead(block + 64 * line);
-            if constexpr (upper)
-                for (int line = 0; line < high_plane.bits; line++) prefetch_ahead(high_block + 64 * line);
+            prefetch_ahead(block, low_bits);  // a line a bit of the codes' width
+            if constexpr (upper) prefetch_ahead(high_block, high_plane.bits);
             __m512i w[8], upper_digits[8];
             if constexpr (upper) qrun_plane_upper_vectors(high_block, high_plane.bits, upper_digits);
             if (low_bits == 4) {
@@ -301,7 +317,14 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                         low_sum = _mm512_dpbusd_epi32(low_sum, w[q], _mm512_set1_epi32(low[r * k / 4 + q]));
                     }
                 }
-        }
+        };
+        // unrolled, the tiles' sums stay in registers; but beside the upper digits' vectors the tiles' codes then
+        // spill (those products 0.88-0.96x, in the same probes)
+        if constexpr (upper)
+            for (int t = 0; t < T; t++) multiply_tile(t);
+        else
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) multiply_tile(t);
     };
     // Groups [first, last): their blocks' sums, then each scaled into the totals.
     const auto multiply_groups = [&]<bool upper, int BITS>(int64_t first, int64_t last) {
@@ -339,14 +362,7 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             }
         }
     };
-    // the high plane covers whole groups (qrun_planes_fit); the usual widths of the low plane's codes as constants
-    multiply_groups.template operator()<true, 0>(0, high_groups);
-    if (low_plane.bits == 4)
-        multiply_groups.template operator()<false, 4>(high_groups, groups);
-    else if (low_plane.bits == 3)
-        multiply_groups.template operator()<false, 3>(high_groups, groups);
-    else
-        multiply_groups.template operator()<false, 0>(high_groups, groups);
+    multiply_planes(multiply_groups, low_plane.bits, high_groups, groups);
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) out.store(m0 + r, tiles[t], total[t][r]);
 }
@@ -493,8 +509,7 @@ template <int R, int T, bool two_digits>
 void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
     const qrun_plane &low_plane = weights.low, &high_plane = weights.high;
     const int64_t k = low_plane.k, group = weights.group;
-    const int64_t blocks = k / BLOCK_K, groups = k / group, blocks_per_group = group / BLOCK_K;
-    const int64_t high_blocks = high_plane.k / BLOCK_K, high_groups = high_plane.k / group;
+    const int64_t groups = k / group, blocks_per_group = group / BLOCK_K, high_groups = high_plane.k / group;
     const int64_t block_bytes = low_plane.block_bytes(), high_block_bytes = high_plane.block_bytes();
     __m256 total[T][R][2];
     __m256i high_dot[T][R][2], low_dot[T][R][2];  // each row's int32 sums over the group so far, by input digit
@@ -524,37 +539,42 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             w[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
         }
     };
-    const auto multiply_blocks = [&]<bool upper>(int64_t first, int64_t last) {
-        for (int64_t b = first; b < last; b++) {
-            for (int t = 0; t < T; t++) {
-                const int64_t at = m0 * k + b * BLOCK_K;
-                const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
-                const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
-                const uint8_t* block = tile_codes[t] + b * block_bytes;
-                const uint8_t* high_block = upper ? tile_high_codes[t] + b * high_block_bytes : nullptr;
-                for (int line = 0; line < low_plane.bits; line++) prefetch_ahead(block + 64 * line);
-                if constexpr (upper)
-                    for (int line = 0; line < high_plane.bits; line++) prefetch_ahead(high_block + 64 * line);
-                for (int s = 0; s < 4; s++) {
-                    __m256i w[2][2], w_upper[2][2];  // [half][nibble]
-                    unpack(block, low_plane.bits, s, w);
-                    if constexpr (upper) unpack(high_block, high_plane.bits, s, w_upper);
-                    for (int r = 0; r < R; r++) {
-                        const int32_t* digits[2] = {high + r * k / 4 + 2 * s,
-                                                    two_digits ? low + r * k / 4 + 2 * s : nullptr};
-                        for (int h = 0; h < 2; h++)
-                            for (int d = 0; d < (two_digits ? 2 : 1); d++) {
-                                __m256i& sums = d ? low_dot[t][r][h] : high_dot[t][r][h];
-                                sums = _mm256_add_epi32(sums, dot(w[h], digits[d][0], digits[d][1], ones));
-                                if constexpr (upper)
-                                    sums = _mm256_add_epi32(sums, dot(w_upper[h], digits[d][0], digits[d][1],
-                                                                      sixteens));
-                            }
-                    }
+    // Block b of every tile into the sums, its codes BITS wide (0: the low plane's width, read at run time).
+    const auto multiply_block = [&]<bool upper, int BITS>(int64_t b) {
+        const int low_bits = BITS ? BITS : low_plane.bits;
+        const int64_t at = m0 * k + b * BLOCK_K;
+        const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
+        const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
+        for (int t = 0; t < T; t++) {
+            const uint8_t* block = tile_codes[t] + b * block_bytes;
+            const uint8_t* high_block = upper ? tile_high_codes[t] + b * high_block_bytes : nullptr;
+            prefetch_ahead(block, low_bits);  // a line a bit of the codes' width
+            if constexpr (upper) prefetch_ahead(high_block, high_plane.bits);
+            for (int s = 0; s < 4; s++) {
+                __m256i w[2][2], w_upper[2][2];  // [half][nibble]
+                unpack(block, low_bits, s, w);
+                if constexpr (upper) unpack(high_block, high_plane.bits, s, w_upper);
+                for (int r = 0; r < R; r++) {
+                    const int32_t* digits[2] = {high + r * k / 4 + 2 * s,
+                                                two_digits ? low + r * k / 4 + 2 * s : nullptr};
+                    for (int h = 0; h < 2; h++)
+                        for (int d = 0; d < (two_digits ? 2 : 1); d++) {
+                            __m256i& sums = d ? low_dot[t][r][h] : high_dot[t][r][h];
+                            sums = _mm256_add_epi32(sums, dot(w[h], digits[d][0], digits[d][1], ones));
+                            if constexpr (upper)
+                                sums = _mm256_add_epi32(sums, dot(w_upper[h], digits[d][0], digits[d][1],
+                                                                  sixteens));
+                        }
                 }
             }
-            if ((b + 1) % blocks_per_group) continue;
-            const int64_t g = b / blocks_per_group;
+        }
+    };
+    // Groups [first, last): their blocks' sums, then each scaled into the totals.
+    const auto multiply_groups = [&]<bool upper, int BITS>(int64_t first, int64_t last) {
+        for (int64_t g = first; g < last; g++) {
+            for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; b++)
+                multiply_block.template operator()<upper, BITS>(b);
+            const int64_t b = (g + 1) * blocks_per_group - 1;
             const float center = upper ? low_plane.centers[b] + 16.f * high_plane.centers[b] : low_plane.centers[b];
             for (int t = 0; t < T; t++) {
                 const int64_t at = (tiles[t] * groups + g) * TILE_N;
@@ -583,8 +603,7 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             }
         }
     };
-    multiply_blocks.template operator()<true>(0, high_blocks);
-    multiply_blocks.template operator()<false>(high_blocks, blocks);
+    multiply_planes(multiply_groups, low_plane.bits, high_groups, groups);
     for (int t = 0; t < T; t++)
         for (int r = 0; r < R; r++) out.store(m0 + r, tiles[t], total[t][r]);
 }
