@@ -265,8 +265,8 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     // One row's input digits of a block, broadcast once for all T tiles (at more rows or two digits they would not
     // fit in the registers beside the tiles' sums and codes): one-row products of a 2048 x 1536 4-bit matrix in L2,
     // with that, the tiles' loop unrolled and the code width a constant, 1.13-1.22x faster than without (3-bit codes
-    // 1.14-1.17x, two input digits 1.10-1.13x; one-off probes alternating in one process on a 2-core Xeon; the same
-    // sums).
+    // 1.14-1.17x; two input digits, the last two alone, 1.10-1.13x; one-off probes alternating in one process on a
+    // 2-core Xeon; the same sums).
     constexpr bool shared_inputs = R == 1 && !two_digits;
     // Block b of every tile into the sums, its codes BITS wide (0: the low plane's width, read at run time); with the
     // high plane, each weight an 8-bit code (its high digit's nibble above its low digit's) times the low plane's
