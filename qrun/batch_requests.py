@@ -27,8 +27,11 @@ REQUEST_SAMPLING_FIELDS = (*SAMPLING_FIELDS, "min_tokens", "stop_token_ids", "in
 # A request's structured output, in OpenAI's shape or as a bare schema.
 REQUEST_FORMAT_FIELDS = ("response_format", "json_schema")
 REQUEST_FIELDS = ("prompt", "messages", "id", *REQUEST_SAMPLING_FIELDS, *REQUEST_FORMAT_FIELDS)
-# What an answered request gets; a refused one gets "error" instead.
-ANSWER_FIELDS = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")
+# What an answered request gets; a refused one gets "error" instead. What stopped it is vLLM's
+# stop_reason split by type (the stop string, or the stop_token_ids entry; both null for EOS, a
+# grammar's end or the length), so that an Arrow column (ray_batch.py) can hold each.
+ANSWER_FIELDS = ("text", "token_ids", "finish_reason", "stop_string", "stop_token_id", "prompt_tokens",
+                 "completion_tokens", "cached_tokens")
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ def prepare_request(llm: "LLM", request: dict[str, Any], defaults: BatchDefaults
 
 def answer_fields(output: "RequestOutput") -> dict[str, Any]:
     """A finished request's ANSWER_FIELDS."""
+    stop = output.stop_reason
     return {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason,
+            "stop_string": stop if isinstance(stop, str) else None, "stop_token_id": stop if isinstance(stop, int) else None,
             "prompt_tokens": output.metrics.num_prompt_tokens, "completion_tokens": len(output.token_ids),
             "cached_tokens": output.metrics.num_cached_tokens}
 

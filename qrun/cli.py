@@ -32,8 +32,8 @@ examples:
 
 --input lines are JSON objects: {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]},
 optionally with "id" and sampling fields ("max_tokens", "temperature", "stop", ...) that override the flags.
-Outputs are JSON lines in input order: {"line", "id", "text", "token_ids", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens"}, or {"line", "error"} for a skipped line."""
+Outputs are JSON lines in input order: {"line", "id", "text", "token_ids", "finish_reason", "stop_string",
+"stop_token_id", "prompt_tokens", "completion_tokens", "cached_tokens"}, or {"line", "error"} for a skipped line."""
 
 
 def run_generate(args: argparse.Namespace) -> None:

@@ -33,8 +33,8 @@ from qrun.sampling_params import SamplingParams
 
 REQUEST_COLUMN = "request"
 _ANSWER_TYPES = {"text": pa.string(), "token_ids": pa.list_(pa.int64()), "finish_reason": pa.string(),
-                 "prompt_tokens": pa.int64(), "completion_tokens": pa.int64(), "cached_tokens": pa.int64(),
-                 "error": pa.string()}
+                 "stop_string": pa.string(), "stop_token_id": pa.int64(), "prompt_tokens": pa.int64(),
+                 "completion_tokens": pa.int64(), "cached_tokens": pa.int64(), "error": pa.string()}
 # Explicit types: a batch whose answers are all null (all refused) must still match the others.
 ANSWER_SCHEMA = pa.schema([(name, _ANSWER_TYPES[name]) for name in (*ANSWER_FIELDS, "error")])
 

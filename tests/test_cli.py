@@ -81,6 +81,29 @@ def test_generate_batch_keeps_order_and_reports_bad_lines(tiny_llama_dir, tmp_pa
     assert not list(tmp_path.glob(".out.jsonl.*"))  # the temporary file was renamed into place
 
 
+def test_generate_batch_answers_say_which_stop_ended_each_request(tiny_llama_dir, tmp_path):
+    from qrun.llm import LLM
+    from qrun.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=8 * 2**20, device="cpu")
+    free = llm.generate(["stop here"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        progress=False)[0]
+    stop_string = free.text[len(free.text) // 2:][:2]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    requests = [{"prompt": "stop here", "stop": [stop_string]},
+                {"prompt": "stop here", "stop_token_ids": [free.token_ids[2]]}, {"prompt": "stop here"}]
+    source.write_text("".join(json.dumps(request) + "\n" for request in requests))
+    assert main(["generate", str(tiny_llama_dir), "--input", str(source), "--output", str(target), "--temperature", "0",
+                 "--max-tokens", "8", "--ignore-eos", *ENGINE]) == 0
+    by_string, by_token, unstopped = [json.loads(line) for line in target.read_text().splitlines()]
+    assert (by_string["finish_reason"], by_string["stop_string"], by_string["stop_token_id"]) == (
+        "stop", stop_string, None)
+    assert stop_string not in by_string["text"] and free.text.startswith(by_string["text"])
+    assert (by_token["finish_reason"], by_token["stop_string"], by_token["stop_token_id"]) == (
+        "stop", None, free.token_ids[2])
+    assert (unstopped["finish_reason"], unstopped["stop_string"], unstopped["stop_token_id"]) == ("length", None, None)
+
+
 def test_generate_batch_strict_fails_without_output(tiny_llama_dir, tmp_path, capsys):
     source = tmp_path / "in.jsonl"
     source.write_text('{"prompt": "ok", "max_tokens": 2}\n[1, 2]\n')

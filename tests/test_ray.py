@@ -94,27 +94,35 @@ def test_predictor_answers_rows_of_every_shape_and_keeps_their_columns(tiny_llam
     from qrun.llm import LLM
     from qrun.sampling_params import SamplingParams
 
+    llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS)
     messages = [{"role": "user", "content": "hello"}]
+    stop_id = llm.generate(["five"], SamplingParams(temperature=0, max_tokens=3), progress=False)[0].token_ids[1]
+    expected = llm.generate(["one two", llm.tokenizer.encode_chat(messages), "three", "five"],
+                            [SamplingParams(temperature=0, max_tokens=n) for n in (3, 5, 4)] +
+                            [SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[stop_id])], progress=False)
     rows = [{"user": "a", "prompt": "one two", "max_tokens": 3},
             {"user": "b", "messages": messages},  # null max_tokens: the default's 5
             {"user": "c", "request": json.dumps({"prompt": "three", "max_tokens": 4, "stop": ["zz"]})},
+            {"user": "f", "prompt": "five", "max_tokens": 3, "stop_token_ids": [stop_id]},
             {"user": "d", "prompt": "four", "max_tokens": 100_000},
             {"user": "e", "request": "{not json"}]
     predictor = QrunPredictor(str(tiny_llama_dir), sampling={"temperature": 0, "max_tokens": 5}, **ENGINE_ARGS)
     columns = dict.fromkeys(name for row in rows for name in row)  # from_pylist would take the first row's
-    out = predictor(pa.table({name: [row.get(name) for row in rows] for name in columns})).to_pylist()
+    answered = predictor(pa.table({name: [row.get(name) for row in rows] for name in columns}))
+    out = answered.to_pylist()
 
-    llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS)
-    expected = llm.generate(["one two", llm.tokenizer.encode_chat(messages), "three"],
-                            [SamplingParams(temperature=0, max_tokens=n) for n in (3, 5, 4)], progress=False)
-    assert [row["user"] for row in out] == ["a", "b", "c", "d", "e"]
+    assert [row["user"] for row in out] == ["a", "b", "c", "f", "d", "e"]
+    assert (answered.schema.field("stop_string").type, answered.schema.field("stop_token_id").type) == (
+        pa.string(), pa.int64())
     for row, output in zip(out, expected):
         assert row["error"] is None
         assert (row["text"], row["token_ids"], row["finish_reason"]) == (output.text, output.token_ids,
                                                                         output.finish_reason)
+        assert (row["stop_string"], row["stop_token_id"]) == (None, output.stop_reason)
         assert row["completion_tokens"] == len(output.token_ids) and row["prompt_tokens"] > 0
-    assert "exceeds" in out[3]["error"] and out[3]["text"] is None
-    assert out[4]["error"].startswith("not JSON")
+    assert out[3]["finish_reason"] == "stop" and out[3]["stop_token_id"] == stop_id
+    assert "exceeds" in out[4]["error"] and out[4]["text"] is None
+    assert out[5]["error"].startswith("not JSON")
     with pytest.raises(TypeError, match="batch_format='pyarrow'"):
         predictor({"prompt": ["numpy batches turn a missing integer into NaN"]})
 
