@@ -12,6 +12,7 @@ that many bytes again and again (its cache's where they fit, else memory's).
     python scripts/bench_serving.py --num-requests 32 --repeats 2 \
         --systems qrun,qrun@out/smol-4.0,llamacpp@f16,llamacpp@q4_0,hf_cb,hf_static
     python scripts/bench_serving.py --num-requests 32 --busy-cores 1 --systems qrun,qrun@out/smol-4.0
+    python scripts/bench_serving.py --num-requests 32 --systems qrun:float32,qrun:bfloat16,qrun@out/smol-4.0
     python scripts/bench_serving.py --workload ../shared/data/workloads/shared_prefix.jsonl \
         --num-requests 64 --systems qrun,qrun_noprefix
     python scripts/bench_serving.py --num-requests 8 --max-tokens-cap 16 --systems qrun --profile
@@ -21,10 +22,12 @@ that many bytes again and again (its cache's where they fit, else memory's).
         --systems qrun+bfloat16,qrun+int8,qrun+int4   # a cache for ~25% of these requests' tokens in bfloat16
 
 Systems (SYSTEM or SYSTEM@VARIANT):
-  qrun[@MODEL][+KV] qrun.LLM (default --model, --dtype), continuous batching, prefix caching on
-                 (metrics: qrun.bench.run_qrun); MODEL may be a `qrun convert` output folder; KV a
-                 kv_cache_dtype (auto, float32, bfloat16, float16, int8, int4; default auto), so
-                 that one --kv-cache-memory holds each format's own number of tokens
+  qrun[@MODEL][:DTYPE][+KV] qrun.LLM (default --model), continuous batching, prefix caching on
+                 (metrics: qrun.bench.run_qrun); MODEL may be a `qrun convert` output folder; DTYPE
+                 the model's dtype (auto, float32, bfloat16, float16; default --dtype), so that
+                 qrun:float32 and qrun:bfloat16 run side by side; KV a kv_cache_dtype (auto,
+                 float32, bfloat16, float16, int8, int4; default auto), so that one
+                 --kv-cache-memory holds each format's own number of tokens
   qrun_noprefix  the same engine with enable_prefix_caching=False
   qrun_eager[@MODEL] the same engine with enforce_eager=True (no compiled decode steps)
   hf_static      transformers `generate`, left padding, batches of --batch-size in arrival order,
@@ -60,6 +63,7 @@ from qrun.bench import (BenchRequest, aggregate, busy_cores, decode_step_bytes, 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "data" / "workloads" / "mixed_lengths.jsonl"
 ALL_SYSTEMS = ["qrun", "qrun_noprefix", "qrun_eager", "hf_static", "hf_cb", "llamacpp"]
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype's choices, and a qrun system's :DTYPE
 
 
 class SkipSystem(Exception):
@@ -79,10 +83,10 @@ def gguf_path(model: str) -> Path:
 
 class QrunSystem:
     def __init__(self, name: str, args, model: str, prefix_caching: bool, enforce_eager: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", dtype: str = "auto"):
         from qrun import LLM
 
-        kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        kwargs = dict(dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_batch_tokens, block_size=args.block_size,
                       enable_prefix_caching=prefix_caching, enforce_eager=enforce_eager,
                       kv_cache_dtype=kv_cache_dtype)
@@ -527,8 +531,9 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="qrun,hf_static,hf_cb,llamacpp",
                     help=f"comma-separated, from {','.join(ALL_SYSTEMS)}")
     ap.add_argument("--model", default="smollm2-135m", help="qrun model alias or .gguf path")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="qrun and transformers dtype (auto: what qrun picks on this machine)")
+    ap.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
+                    help="qrun and transformers dtype (auto: what qrun picks on this machine); a qrun system's "
+                         ":DTYPE overrides it")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and llama.cpp threads")
     ap.add_argument("--batch-size", type=int, default=8, help="hf_static batch size")
@@ -561,29 +566,37 @@ def parse_args(argv=None):
     return args
 
 
-def system_kind(spec: str) -> str:
-    """SYSTEM of SYSTEM[@VARIANT][+KV]."""
-    return split_kv_cache_dtype(spec)[0].partition("@")[0]
-
-
-def split_kv_cache_dtype(spec: str) -> tuple[str, str | None]:
-    """`spec` without a trailing +KV_CACHE_DTYPE, and that dtype (None where it has none)."""
+def parse_system(spec: str) -> tuple[str, str, str | None, str | None]:
+    """(SYSTEM, VARIANT or "", DTYPE or None, KV or None) of SYSTEM[@VARIANT][:DTYPE][+KV]: a suffix counts only
+    where it names a dtype, so a model path may hold ':' or '+'."""
     from qrun.config import KV_CACHE_DTYPES
 
-    head, plus, tail = spec.rpartition("+")
-    return (head, tail) if plus and tail in KV_CACHE_DTYPES else (spec, None)
+    def suffix(text: str, mark: str, names) -> tuple[str, str | None]:
+        head, found, tail = text.rpartition(mark)
+        return (head, tail) if found and tail in names else (text, None)
+
+    rest, kv_cache_dtype = suffix(spec, "+", KV_CACHE_DTYPES)
+    rest, dtype = suffix(rest, ":", MODEL_DTYPES)
+    kind, _, variant = rest.partition("@")
+    return kind, variant, dtype, kv_cache_dtype
+
+
+def system_kind(spec: str) -> str:
+    """SYSTEM of SYSTEM[@VARIANT][:DTYPE][+KV]."""
+    return parse_system(spec)[0]
 
 
 def build_system(spec: str, args, path: Path, requests: list[BenchRequest], built: dict):
-    """The system named by `spec` (SYSTEM[@VARIANT][+KV]; see the module doc)."""
-    system, kv_cache_dtype = split_kv_cache_dtype(spec)
-    kind, _, variant = system.partition("@")
+    """The system named by `spec` (SYSTEM[@VARIANT][:DTYPE][+KV]; see the module doc)."""
+    kind, variant, dtype, kv_cache_dtype = parse_system(spec)
     qruns = [s for s in built.values() if isinstance(s, QrunSystem)]
     if kind in ("qrun", "qrun_noprefix", "qrun_eager"):
         return QrunSystem(spec, args, variant or args.model, prefix_caching=(kind != "qrun_noprefix"),
-                          enforce_eager=(kind == "qrun_eager"), kv_cache_dtype=kv_cache_dtype or "auto")
-    if kv_cache_dtype:
-        raise SystemExit(f"{spec!r}: +{kv_cache_dtype} (a KV cache dtype) applies to qrun systems only")
+                          enforce_eager=(kind == "qrun_eager"), kv_cache_dtype=kv_cache_dtype or "auto",
+                          dtype=dtype or args.dtype)
+    if dtype or kv_cache_dtype:
+        raise SystemExit(f"{spec!r}: a model dtype (:DTYPE) or KV cache dtype (+KV) applies to qrun systems only; "
+                         "--dtype sets the others' model dtype")
     if kind in ("hf_static", "hf_cb"):
         if "_hf" not in built:
             built["_hf"] = load_hf(path, args.dtype)

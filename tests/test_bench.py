@@ -128,6 +128,15 @@ def test_systems_take_turns_in_reverse_every_other_repeat_and_each_repeats_ratio
     assert bench_serving.repeat_ratios(runs, ["a", "b"]) == "batched tok/s per repeat, x a's: b 1.25x, 1.00x"
 
 
+def test_a_system_names_its_model_dtype_and_kv_cache_dtype_by_suffixes_that_name_dtypes():
+    parse_system = load_bench_serving().parse_system
+    assert parse_system("qrun") == ("qrun", "", None, None)
+    assert parse_system("qrun:float32") == ("qrun", "", "float32", None)
+    assert parse_system("qrun@out/smol-4.0:bfloat16+int8") == ("qrun", "out/smol-4.0", "bfloat16", "int8")
+    assert parse_system("qrun_eager@out/a:b+c+int4") == ("qrun_eager", "out/a:b+c", None, "int4")
+    assert parse_system("llamacpp@q4_0") == ("llamacpp", "q4_0", None, None)
+
+
 def test_each_systems_roofline_is_the_rate_its_own_step_bytes_read_at():
     """A step whose bytes fit the last-level cache reads them faster than memory gives: its roofline is the rate
     measured over that many bytes, not over a buffer past the caches."""
