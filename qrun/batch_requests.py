@@ -110,7 +110,8 @@ def answer_fields(output: "RequestOutput") -> dict[str, Any]:
     """A finished request's ANSWER_FIELDS."""
     stop = output.stop_reason
     return {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason,
-            "stop_string": stop if isinstance(stop, str) else None, "stop_token_id": stop if isinstance(stop, int) else None,
+            "stop_string": stop if isinstance(stop, str) else None,
+            "stop_token_id": None if stop is None or isinstance(stop, str) else int(stop),
             "prompt_tokens": output.metrics.num_prompt_tokens, "completion_tokens": len(output.token_ids),
             "cached_tokens": output.metrics.num_cached_tokens}
 
