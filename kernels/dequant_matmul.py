@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 CHUNK = 32
+UNPACK_SLICE_CODES = 1 << 20  # `unpack_rows`' int32 working set: 4 MiB
 # Group scales and mins are 8-bit codes against one float16 range per output column:
 # scale = code / SCALE_LEVELS * scale_max[n] (uint8), min = code / MIN_LEVELS * min_absmax[n] (int8).
 SCALE_LEVELS = 255
@@ -17,22 +18,28 @@ MIN_LEVELS = 127
 
 
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [chunks*bits, N] -> int64 [chunks*32, N]: row j of a 32-row chunk sits at bit j*bits."""
+    """int32 [chunks*bits, N] -> uint8 [chunks*32, N]: row j of a 32-row chunk sits at bit j*bits.
+    Unpacked UNPACK_SLICE_CODES codes at a time in int32: a load unpacks whole matrices, and a head's
+    as int64 in one piece held ~9 bytes a code at once (a 4-bit 49152 x 576 head: +498 MB at the
+    peak for 28 MB of codes)."""
     total, n = words.shape
     chunks = total // bits
-    w64 = words.to(torch.int64).reshape(chunks, bits, n) & 0xFFFFFFFF
+    out = torch.empty(chunks, CHUNK, n, dtype=torch.uint8, device=words.device)
     mask = (1 << bits) - 1
-    if 32 % bits == 0:  # no code crosses a word: every shift at once (a load unpacks whole matrices)
-        shifts = torch.arange(0, 32, bits, device=words.device).view(1, 1, -1, 1)
-        return ((w64.unsqueeze(2) >> shifts) & mask).reshape(chunks * CHUNK, n)
-    out = torch.empty(chunks, CHUNK, n, dtype=torch.int64, device=words.device)
-    for j in range(CHUNK):
-        w, s = divmod(j * bits, 32)
-        value = w64[:, w] >> s
-        if s + bits > 32:
-            value = value | (w64[:, w + 1] << (32 - s))
-        out[:, j] = value & mask
-    return out.reshape(chunks * CHUNK, n)
+    per_slice = max(1, UNPACK_SLICE_CODES // (CHUNK * n))
+    for first in range(0, chunks, per_slice):
+        w = words[first * bits:(first + per_slice) * bits].reshape(-1, bits, n)
+        if 32 % bits == 0:  # no code crosses a word: every shift at once
+            shifts = torch.arange(0, 32, bits, device=words.device, dtype=torch.int32).view(1, 1, -1, 1)
+            out[first:first + per_slice] = ((w.unsqueeze(2) >> shifts) & mask).view(-1, CHUNK, n)
+            continue
+        for j in range(CHUNK):
+            word, shift = divmod(j * bits, 32)
+            value = w[:, word] >> shift  # arithmetic: the bits above 32 - shift copy the sign
+            if shift + bits > 32:
+                value = value & ((1 << (32 - shift)) - 1) | w[:, word + 1] << (32 - shift)
+            out[first:first + per_slice, j] = value & mask
+    return out.view(chunks * CHUNK, n)
 
 
 def group_values(codes: torch.Tensor, column_range: torch.Tensor, levels: int) -> torch.Tensor:

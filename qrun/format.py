@@ -196,7 +196,7 @@ def pack_matrix(q: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
 
 
 def unpack_matrix(qweight: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
-    """qweight int32 [R, N] -> unsigned integers int64 [K, N], permuted row order."""
+    """qweight int32 [R, N] -> codes uint8 [K, N], permuted row order."""
     parts, row = [], 0
     for bits, groups in layout.runs():
         words = groups * layout.group_size * bits // CHUNK

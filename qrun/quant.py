@@ -178,12 +178,12 @@ class QuantLinear(nn.Module):
             s = scales[first:last]
             # the groups' values with no offset: q * s + m (asym) or q * s - 2^(b-1) s (sym)
             m = mins[first:last] if mins is not None else -(1 << (b - 1)) * s
-            low.append((codes & 15).to(torch.uint8))  # the kernel computes (code - 8) * scale + zero
+            low.append(codes & 15)  # the kernel computes (code - 8) * scale + zero
             low_sz.append(torch.stack([s, m + 8 * s], -1))
             # the upper digit: (code >> 4) * 16 s, with s as the VNNI kernel keeps it (float16): exactly 16x the low
             # digit's scale, so it multiplies both digits as one 8-bit code
             if b > 4:
-                high.append((codes >> 4).to(torch.uint8))
+                high.append(codes >> 4)
                 high_sz.append(torch.stack([16 * s.half().float(), 128 * s], -1))
 
         def plane(codes, scale_zero):

@@ -1,11 +1,14 @@
 """Packing of mixed-bit weights: round trips, the documented bit layout, and the reference matmul."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from qrun.format import (BIT_WIDTHS, MatrixLayout, dequantize_groups, pack_matrix,
                                   pack_run, unpack_matrix)
+from qrun.kernels import dequant_matmul
 from qrun.kernels.dequant_matmul import (MIN_LEVELS, SCALE_LEVELS, dequant_matmul_ref, dequantize_ref, group_values,
                                          unpack_rows)
 
@@ -18,6 +21,16 @@ def test_pack_unpack_round_trips_for_every_width(bits, chunks, n, seed):
     words = pack_run(q, bits)
     assert words.dtype == torch.int32 and words.shape == (chunks * bits, n)
     assert torch.equal(unpack_rows(words, bits), q)
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from(BIT_WIDTHS), chunks=st.integers(2, 7), n=st.integers(1, 9), per_slice=st.integers(1, 3),
+       seed=st.integers(0, 2**31))
+def test_unpacking_in_slices_gives_every_chunk_once(bits, chunks, n, per_slice, seed):
+    q = torch.randint(0, 1 << bits, (chunks * 32, n), generator=torch.Generator().manual_seed(seed))
+    with mock.patch.object(dequant_matmul, "UNPACK_SLICE_CODES", per_slice * 32 * n):  # slices of 1-3 chunks
+        codes = unpack_rows(pack_run(q, bits), bits)
+    assert codes.dtype == torch.uint8 and torch.equal(codes, q)
 
 
 @settings(max_examples=40, deadline=None)
