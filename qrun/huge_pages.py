@@ -29,18 +29,6 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 ALIGN = 64  # each storage starts on a cache line, as the allocator's do
 
 
-def release_freed_memory() -> None:
-    """Hand the memory the process has freed back to the system (glibc's `malloc_trim`; elsewhere
-    nothing). A load frees several times what it keeps (tensors read, unpacked, packed into the
-    kernels' layouts, copied into huge pages), and glibc keeps freed blocks for reuse: it raises
-    its threshold for giving blocks their own mapping as large ones are freed, to 32 MiB. Without
-    this, SmolLM2 held 1,109 MB more after its load than before in bfloat16, whose tensors hold
-    ~600 MB, and 480 more at 4.0 bpw, whose hold ~140."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(ctypes.c_size_t(0))
-
-
 def huge_pages_available() -> bool:
     """Whether the kernel gives huge pages to memory advised MADV_HUGEPAGE (`always` or `madvise`)."""
     try:

@@ -17,7 +17,8 @@ from torch import nn
 from qrun.config import ModelConfig
 from qrun.cpu_linear import cpu_dense_linears_apply, use_cpu_dense_linears
 from qrun.errors import ModelLoadError, one_line
-from qrun.huge_pages import move_to_huge_pages, release_freed_memory
+from qrun.heap import trim_heap
+from qrun.huge_pages import move_to_huge_pages
 from qrun.model import Transformer
 from qrun.sources import ModelSource, read_json_object, resolve
 from qrun.tokenizer import Tokenizer
@@ -366,7 +367,7 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "auto",
         use_cpu_dense_linears(net)
     net.eval().requires_grad_(False)
     if torch_device.type == "cpu":
-        release_freed_memory()  # before the copy into huge pages maps its arena beside the weights
+        trim_heap()  # the load's freed memory, before the copy into huge pages maps its arena
         move_to_huge_pages(net)
-    release_freed_memory()
+    trim_heap()
     return LoadedModel(net, config, tokenizer, source, hf_config)

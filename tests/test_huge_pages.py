@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
-
-import pytest
 import torch
 from torch import nn
 
@@ -64,23 +59,3 @@ def test_nothing_moves_where_the_kernel_gives_no_huge_pages(monkeypatch):
     pointer = model.linear.weight.data_ptr()
     assert huge_pages.move_to_huge_pages(model) == 0
     assert model.linear.weight.data_ptr() == pointer
-
-
-def resident_megabytes() -> float:
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "malloc_trim"),
-                    reason="malloc_trim is glibc's")
-def test_memory_freed_between_kept_blocks_goes_back_to_the_system():
-    # 64 KiB blocks sit in the heap (below glibc's mmap threshold); a small block kept after each holds the freed
-    # ones inside the heap, where free() alone never returns them
-    freed, kept = [], []
-    for _ in range(1600):
-        freed.append(torch.ones(16384))
-        kept.append(torch.ones(4))
-    held = resident_megabytes()
-    freed.clear()
-    assert resident_megabytes() > held - 50  # what this test is about: free() kept them
-    huge_pages.release_freed_memory()
-    assert resident_megabytes() < held - 75  # of the 100 MiB freed
