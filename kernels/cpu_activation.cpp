@@ -21,6 +21,14 @@ void silu_and_mul_rows(const void* gate, const void* up, int64_t ld, void* out, 
         for (; i + 16 <= width; i += 16)
             qrun_store16<kind>(out_row, i,
                                qrun_gated16<kind>(qrun_load16<kind>(gate_row, i), qrun_load16<kind>(up_row, i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        if constexpr (kind == QRUN_F32) {
+            const float* gates = reinterpret_cast<const float*>(gate_row);
+            const float* ups = reinterpret_cast<const float*>(up_row);
+            for (; i + 8 <= width; i += 8)
+                _mm256_storeu_ps(reinterpret_cast<float*>(out_row) + i,
+                                 _mm256_mul_ps(qrun_silu8(_mm256_loadu_ps(gates + i)), _mm256_loadu_ps(ups + i)));
+        }
 #endif
         for (; i < width; i++) {
             const float activated = qrun_round_value<kind>(qrun_silu(qrun_load_value<kind>(gate_row, i)));

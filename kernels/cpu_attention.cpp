@@ -264,8 +264,12 @@ void reorder_rows(const float* in, float* out, int64_t rows, float factor) {
 }
 
 template <int64_t dim>
-constexpr int64_t pack_size() {  // the pack's vectors (pack_size * dim / 16) fit in half the 32 registers
-    return std::max<int64_t>(1, 256 / dim);
+constexpr int64_t pack_size() {  // the pack's vectors (pack_size * dim / 16) fit in half the registers
+#if defined(__AVX512F__)
+    return std::max<int64_t>(1, 256 / dim);  // 32 of 16 floats
+#else
+    return std::max<int64_t>(1, 64 / dim);  // 16 of 8 floats (AVX2)
+#endif
 }
 
 // Fetch rows [index, index + count) of a cache into cache: L1 (locality 3) or L2 (2), as __builtin_prefetch's.
@@ -300,6 +304,19 @@ inline void sum_lanes(const float* parts, float* out) {
     const __m512 low = halves(quads[0], quads[1]), high = halves(quads[2], quads[3]);
     _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
                                         _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1))));
+#elif defined(__AVX2__)
+    for (int half = 0; half < 2; half++) {  // rows 8 half .. 8 half + 7
+        __m256 c[8];
+        for (int t = 0; t < 8; t++) {
+            const float* row = parts + (8 * half + t) * 16;
+            c[t] = _mm256_add_ps(_mm256_loadu_ps(row), _mm256_loadu_ps(row + 8));
+        }
+        // per 128-bit lane: the sums of that lane's four columns of rows 0-3 (first) and 4-7 (second)
+        const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+        const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(c[4], c[5]), _mm256_hadd_ps(c[6], c[7]));
+        _mm256_storeu_ps(out + 8 * half, _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20),
+                                                       _mm256_permute2f128_ps(first, second, 0x31)));
+    }
 #else
     for (int t = 0; t < LANES; t++) {
         float sum = 0.f;
@@ -333,6 +350,29 @@ inline Floats fused_multiply_add(Floats a, Floats b, Floats c) {
     return Floats(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
 #else
     return a * b + c;
+#endif
+}
+
+// floats' e^x lanewise (x <= 0), as qrun_exp_nonpositive
+inline Floats exp_nonpositive(Floats x) {
+#if defined(__AVX512F__)
+    return Floats(qrun_exp_nonpositive16(__m512(x)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    return {Floats::Half(qrun_exp_nonpositive8(__m256(x.lo))), Floats::Half(qrun_exp_nonpositive8(__m256(x.hi)))};
+#else
+    for (int64_t i = 0; i < LANES; i++) x[i] = qrun_exp_nonpositive(x[i]);
+    return x;
+#endif
+}
+
+// The sum of x's lanes.
+inline float sum_of_lanes(Floats x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(__m512(x));
+#else
+    float sum = 0.f;
+    for (int64_t i = 0; i < LANES; i++) sum += x[i];
+    return sum;
 #endif
 }
 
@@ -444,24 +484,18 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
         Floats tops = Floats{} - FLT_MAX;
         for (int64_t t = 0; t < padded; t += LANES) {
             const Floats values = qrun_load_floats(s + t);
-            tops = values > tops ? values : tops;
+            tops = qrun_select(values > tops, values, tops);
         }
         float top = -FLT_MAX;
         for (int64_t i = 0; i < LANES; i++) top = std::max(top, tops[i]);
-#if defined(__AVX512F__)
         // 16 scores at a time (the padding's -FLT_MAX gives 0)
-        __m512 sums = _mm512_setzero_ps();
+        Floats sums = Floats{};
         for (int64_t t = 0; t < padded; t += LANES) {
-            const __m512 weights = qrun_exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top)));
-            _mm512_storeu_ps(s + t, weights);
-            sums = _mm512_add_ps(sums, weights);
+            const Floats weights = exp_nonpositive(qrun_load_floats(s + t) - top);
+            std::memcpy(s + t, &weights, sizeof(weights));
+            sums += weights;
         }
-        const float sum = _mm512_reduce_add_ps(sums);
-#else
-        for (int64_t t = 0; t < length; t++) s[t] = qrun_exp_nonpositive(s[t] - top);
-        float sum = 0.f;
-        for (int64_t t = 0; t < length; t++) sum += s[t];
-#endif
+        const float sum = sum_of_lanes(sums);
         partial.top[head] = top;
         partial.sum[head] = sum;
     }
@@ -554,16 +588,6 @@ constexpr int64_t KEYS = 16;
 template <int64_t dim>
 constexpr int64_t item_lane_groups() {  // the item's queries, sums and K/V tile stay within L1 (~32 KB at dim 64)
     return std::max<int64_t>(1, 192 / dim);
-}
-
-// floats' e^x lanewise (x <= 0), as qrun_exp_nonpositive
-inline Floats exp_nonpositive(Floats x) {
-#if defined(__AVX512F__)
-    return Floats(qrun_exp_nonpositive16(__m512(x)));
-#else
-    for (int64_t i = 0; i < LANES; i++) x[i] = qrun_exp_nonpositive(x[i]);
-    return x;
-#endif
 }
 
 struct PrefillItem {
@@ -875,9 +899,9 @@ void attend_prefill_item(const Step& step, const PrefillItem& item) {
             tile.score(prepared[g], scores);
             Floats top = tops[g];
             for (int64_t t = 0; t < KEYS; t++) {  // causal: a lane's query sees the keys up to its own position
-                scores[t] = t < here ? (positions[g] >= float(k0 + t) ? scores[t] : Floats{} - FLT_MAX)
+                scores[t] = t < here ? qrun_select(positions[g] >= float(k0 + t), scores[t], Floats{} - FLT_MAX)
                                      : Floats{} - FLT_MAX;
-                top = scores[t] > top ? scores[t] : top;
+                top = qrun_select(scores[t] > top, scores[t], top);
             }
             const Floats rescale = exp_nonpositive(tops[g] - top);
             Floats total = totals[g] * rescale;

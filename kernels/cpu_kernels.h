@@ -339,9 +339,95 @@ inline __m512 qrun_gated16(__m512 gate, __m512 up) {
 }
 #endif
 
-// 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512, two ymm with AVX2), for loops the
-// compiler keeps in registers.
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// qrun_exp_nonpositive of 8 floats, step for step (the same results).
+inline __m256 qrun_exp_nonpositive8(__m256 x) {
+    using C = qrun_exp_constants;
+    x = _mm256_max_ps(x, _mm256_set1_ps(C::floor));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(C::log2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-C::ln2_high),
+                                     _mm256_fmadd_ps(n, _mm256_set1_ps(-C::ln2_low), x));
+    __m256 p = _mm256_set1_ps(C::poly[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C::poly[i]));
+    const __m256 scale = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(C::floor), _CMP_GT_OQ), _mm256_mul_ps(p, scale));
+}
+
+// qrun_silu of 8 floats, step for step (the same results).
+inline __m256 qrun_silu8(__m256 x) {
+    const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
+    const __m256 t = qrun_exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), magnitude));
+    const __m256 top = _mm256_blendv_ps(x, _mm256_mul_ps(x, t), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_div_ps(top, _mm256_add_ps(_mm256_set1_ps(1.f), t));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 16 floats as one value for loops the compiler keeps in registers: with AVX2, two 8-float halves, a ymm register
+// each. GCC lowers a 64-byte vector type on AVX2 through the stack: the paged attention ran 3.5-11x slower than its
+// AVX-512 build on the same Xeon, and prefill chunks 5x slower than torch's SDPA (scripts/attention_speed.py).
+struct qrun_floats {
+    using Half = float __attribute__((vector_size(32)));
+    using HalfMask = int32_t __attribute__((vector_size(32)));
+    struct Mask {
+        HalfMask lo, hi;
+    };
+    Half lo, hi;
+
+    float operator[](int64_t i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+    float& operator[](int64_t i) { return reinterpret_cast<float*>(this)[i]; }  // vector types alias their elements
+
+    friend qrun_floats operator+(qrun_floats a, qrun_floats b) { return {a.lo + b.lo, a.hi + b.hi}; }
+    friend qrun_floats operator-(qrun_floats a, qrun_floats b) { return {a.lo - b.lo, a.hi - b.hi}; }
+    friend qrun_floats operator*(qrun_floats a, qrun_floats b) { return {a.lo * b.lo, a.hi * b.hi}; }
+    friend qrun_floats operator+(qrun_floats a, float b) { return {a.lo + b, a.hi + b}; }
+    friend qrun_floats operator-(qrun_floats a, float b) { return {a.lo - b, a.hi - b}; }
+    friend qrun_floats operator*(qrun_floats a, float b) { return {a.lo * b, a.hi * b}; }
+    friend qrun_floats operator*(float a, qrun_floats b) { return {a * b.lo, a * b.hi}; }
+    qrun_floats& operator+=(qrun_floats b) { return *this = *this + b; }
+    friend Mask operator>(qrun_floats a, qrun_floats b) { return {a.lo > b.lo, a.hi > b.hi}; }
+    friend Mask operator>=(qrun_floats a, float b) { return {a.lo >= b, a.hi >= b}; }
+};
+
+// Lane by lane, a where mask is set, else b (a vector type's mask ? a : b).
+inline qrun_floats qrun_select(qrun_floats::Mask mask, qrun_floats a, qrun_floats b) {
+    return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi};
+}
+
+// Lane j of the result is lane j ^ h of a (h: 1, 2, 4 or 8).
+template <int h>
+inline qrun_floats qrun_swap_lanes(qrun_floats a) {
+    if constexpr (h == 8) {
+        return {a.hi, a.lo};
+    } else {
+        const auto half = [](qrun_floats::Half x) {
+            return __builtin_shufflevector(x, x, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h);
+        };
+        return {half(a.lo), half(a.hi)};
+    }
+}
+#else
+// 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512), for loops the compiler keeps in
+// registers.
 using qrun_floats = float __attribute__((vector_size(64)));
+
+// Lane by lane, a where mask is set, else b.
+template <typename Mask>
+inline qrun_floats qrun_select(Mask mask, qrun_floats a, qrun_floats b) {
+    return mask ? a : b;
+}
+
+// Lane j of the result is lane j ^ h of a (h: 1, 2, 4 or 8).
+template <int h>
+inline qrun_floats qrun_swap_lanes(qrun_floats a) {
+    return __builtin_shufflevector(a, a, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, 8 ^ h, 9 ^ h,
+                                   10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h);
+}
+#endif
 
 inline qrun_floats qrun_load_floats(const float* at) {
     qrun_floats values;

@@ -490,14 +490,16 @@ struct Output {
   private:
     // the up tile's values at y[at]: silu of the gate stored there, times them
     void store_gated(int64_t at, const float* up) const {
-        for (int i = 0; i < TILE_N; i++)
-            if (kind == BFLOAT16) {
+        if (kind == BFLOAT16) {
+            for (int i = 0; i < TILE_N; i++) {
                 const float gate = qrun_round_value<QRUN_BF16>(qrun_silu(qrun_load_value<QRUN_BF16>(y, at + i)));
                 qrun_store_value<QRUN_BF16>(y, at + i, gate * qrun_round_value<QRUN_BF16>(up[i]));
-            } else {
-                float& value = static_cast<float*>(y)[at + i];
-                value = qrun_silu(value) * up[i];
             }
+            return;
+        }
+        float* gates = static_cast<float*>(y) + at;
+        for (int h = 0; h < TILE_N; h += 8)
+            _mm256_storeu_ps(gates + h, _mm256_mul_ps(qrun_silu8(_mm256_loadu_ps(gates + h)), _mm256_loadu_ps(up + h)));
     }
 };
 

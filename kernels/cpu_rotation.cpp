@@ -44,10 +44,10 @@ void walsh_hadamard_vectors(float* x, int64_t n) {
     const Floats sign1 = sign(1), sign2 = sign(2), sign4 = sign(4), sign8 = sign(8);
     for (int64_t v = 0; v < n; v += 16) {
         Floats a = qrun_load_floats(x + v);
-        a = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) + a * sign1;
-        a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) + a * sign2;
-        a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) + a * sign4;
-        a = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) + a * sign8;
+        a = qrun_swap_lanes<1>(a) + a * sign1;
+        a = qrun_swap_lanes<2>(a) + a * sign2;
+        a = qrun_swap_lanes<4>(a) + a * sign4;
+        a = qrun_swap_lanes<8>(a) + a * sign8;
         std::memcpy(x + v, &a, sizeof(a));
     }
     for (int64_t h = 16; h < n; h *= 2)
