@@ -203,7 +203,7 @@ def run_info(args: argparse.Namespace) -> None:
             bits += p.numel() * p.element_size() * 8
     max_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
     budget = cache_budget(config.kv_cache_memory, loaded.device)
-    cache = KVCacheSpec.parse(config.kv_cache_dtype, loaded.dtype)
+    cache = KVCacheSpec.parse(config.kv_cache_dtype, loaded.dtype, loaded.kv_dtype)
     kv_tokens = config.block_size * kv_blocks(budget, mc, cache, config.block_size, config.max_num_seqs, max_len)
 
     console = Console(highlight=False)

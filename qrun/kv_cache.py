@@ -67,10 +67,11 @@ class KVCacheSpec:
     rotate: bool = True  # quantized caches only
 
     @classmethod
-    def parse(cls, name: str, model_dtype: torch.dtype) -> "KVCacheSpec":
-        """The spec `kv_cache_dtype=name` means for a model computing in `model_dtype`."""
+    def parse(cls, name: str, model_dtype: torch.dtype, auto_dtype: torch.dtype | None = None) -> "KVCacheSpec":
+        """The spec `kv_cache_dtype=name` means for a model computing in `model_dtype`; `auto` stores
+        floats in `auto_dtype` (`LoadedModel.kv_dtype`), by default the model's."""
         if name == "auto":
-            return cls(model_dtype)
+            return cls(auto_dtype or model_dtype)
         if name in _FLOAT_DTYPES:
             return cls(_FLOAT_DTYPES[name])
         if name in _BITS:

@@ -156,7 +156,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
-        self.cache_spec = KVCacheSpec.parse(config.kv_cache_dtype, self.loaded.dtype)
+        self.cache_spec = KVCacheSpec.parse(config.kv_cache_dtype, self.loaded.dtype, self.loaded.kv_dtype)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, self.cache_spec, config.max_num_seqs,
                                   self.max_model_len, compile_decode=not config.enforce_eager)

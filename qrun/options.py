@@ -100,8 +100,9 @@ def add_placement_arguments(parser) -> None:
                              "with dense linears' weights rounded to float16)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if present)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                        help="how the KV cache stores keys and values (auto: the compute dtype); int8 holds 1.9x "
-                             "and int4 3.2x the tokens of a 16-bit cache")
+                        help="how the KV cache stores keys and values (auto: the compute dtype, float16 beside "
+                             "float32 on a CPU without native bfloat16); int8 holds 1.9x and int4 3.2x the tokens of a "
+                             "16-bit cache")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

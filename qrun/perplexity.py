@@ -122,8 +122,8 @@ def evaluate(model, text, *, ctx: int = 512, max_tokens: int | None = None, ref=
         if reference.config.vocab_size != loaded.config.vocab_size:
             raise EvalError(f"--ref has vocabulary {reference.config.vocab_size}, the model {loaded.config.vocab_size}")
     ctx = min(ctx, loaded.config.max_model_len)
-    spec = kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec) else KVCacheSpec.parse(kv_cache_dtype,
-                                                                                           loaded.dtype)
+    spec = (kv_cache_dtype if isinstance(kv_cache_dtype, KVCacheSpec)
+            else KVCacheSpec.parse(kv_cache_dtype, loaded.dtype, loaded.kv_dtype))
     calibrations = key_calibration(loaded.model, loaded.tokenizer) if spec.quantized else None
     nll_sum, kl_sum, count = 0.0, 0.0, 0
     for path, body in zip(files, texts):

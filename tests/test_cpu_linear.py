@@ -116,8 +116,9 @@ def test_float32_weights_are_rounded_to_float16_so_every_path_multiplies_the_sam
 
 @pytest.mark.parametrize("native_bfloat16, dtype, swapped", [(False, "auto", True), (False, "float32", False),
                                                               (True, "auto", True)])
-def test_auto_dtype_without_native_bfloat16_runs_float32_with_float16_weights(tiny_llama64_dir, monkeypatch,
-                                                                             native_bfloat16, dtype, swapped):
+def test_auto_dtype_without_native_bfloat16_runs_float32_with_float16_weights_and_cache(tiny_llama64_dir, monkeypatch,
+                                                                                       native_bfloat16, dtype,
+                                                                                       swapped):
     from qrun import LLM, SamplingParams, loader
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -127,6 +128,9 @@ def test_auto_dtype_without_native_bfloat16_runs_float32_with_float16_weights(ti
     model = llm.engine.runner.model
     assert llm.engine.loaded.dtype == (torch.bfloat16 if native_bfloat16 else torch.float32)
     assert isinstance(model.lm_head, CpuDenseLinear) == swapped
+    # the cache stores what the linears hold: float16 beside float32 ones held in float16
+    cache_dtype = torch.bfloat16 if native_bfloat16 else torch.float16 if dtype == "auto" else torch.float32
+    assert llm.engine.runner.kv_cache.k.dtype == cache_dtype
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
     out = llm.generate(["hi there", "a longer prompt than that"], params, progress=False)
     if swapped and not native_bfloat16:  # the same greedy tokens one at a time as batched
