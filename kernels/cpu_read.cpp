@@ -41,9 +41,10 @@ double sum_side_by_side(const float* x, int64_t first, int64_t last) {
         for (int v = 0; v < 4; v++) total += _mm512_reduce_add_ps(sums[s][v]);
     done = first + STREAMS * run;
 #elif defined(__AVX2__)
-    // the same lines, each as two 8-float halves summed before they join its stream's sum (before, the whole buffer
-    // went through the scalar loop below: 27.9 GB/s on a 2-core Xeon held to AVX2, where this reads 31.5-31.9 and the
-    // AVX-512 build 31.4-32.2)
+    // the same lines, each as two 8-float halves summed before they join its stream's sum, so a stream's four sums fit
+    // AVX2's 16 registers (before, the whole buffer went through the scalar loop below: 27.9 GB/s on a 2-core Xeon
+    // held to AVX2, where this reads 31.5-31.9 and the AVX-512 build 31.4-32.2; the AVX-512 loop above written with
+    // qrun_floats, eight sums a stream, read 11.2-11.3: one-off probes)
     const int64_t run = (last - first) / STREAMS / 64 * 64;
     __m256 sums[STREAMS][4];
     for (int s = 0; s < STREAMS; s++)
