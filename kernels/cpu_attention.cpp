@@ -417,7 +417,8 @@ void accumulate_pack(const Pass& pass, const float* weights, float* sums) {
             for (int64_t v = 0; v < vectors; v++) acc[j][v] += weight * row[v];
         }
     }
-    for (int64_t j = 0; j < heads; j++) std::memcpy(sums + (pass.first + j) * dim, acc[j], sizeof(acc[j]));
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t v = 0; v < vectors; v++) qrun_store_floats(sums + (pass.first + j) * dim + v * LANES, acc[j][v]);
 }
 
 // f(std::integral_constant<int64_t, heads>) for a runtime heads in 1 .. most: the pack functions' instantiations.
@@ -492,7 +493,7 @@ void attend_chunk(const Step& step, const float* queries, const int32_t* table, 
         Floats sums = Floats{};
         for (int64_t t = 0; t < padded; t += LANES) {
             const Floats weights = exp_nonpositive(qrun_load_floats(s + t) - top);
-            std::memcpy(s + t, &weights, sizeof(weights));
+            qrun_store_floats(s + t, weights);
             sums += weights;
         }
         const float sum = sum_of_lanes(sums);

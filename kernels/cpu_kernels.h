@@ -410,6 +410,17 @@ inline qrun_floats qrun_swap_lanes(qrun_floats a) {
         return {half(a.lo), half(a.hi)};
     }
 }
+
+// 16 floats from memory and back, a half at a time: a copy of the whole struct (memcpy) goes through the stack in
+// 16-byte pieces, whose 32-byte reloads wait on the stores (the rotation's odd factor ran ~10x slower so).
+inline qrun_floats qrun_load_floats(const float* at) {
+    return {qrun_floats::Half(_mm256_loadu_ps(at)), qrun_floats::Half(_mm256_loadu_ps(at + 8))};
+}
+
+inline void qrun_store_floats(float* at, qrun_floats values) {
+    _mm256_storeu_ps(at, __m256(values.lo));
+    _mm256_storeu_ps(at + 8, __m256(values.hi));
+}
 #else
 // 16 floats as one value (GCC/Clang vector extensions: a zmm register with AVX512), for loops the compiler keeps in
 // registers.
@@ -427,13 +438,17 @@ inline qrun_floats qrun_swap_lanes(qrun_floats a) {
     return __builtin_shufflevector(a, a, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, 8 ^ h, 9 ^ h,
                                    10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h);
 }
-#endif
 
+// 16 floats from memory and back.
 inline qrun_floats qrun_load_floats(const float* at) {
     qrun_floats values;
     std::memcpy(&values, at, sizeof(values));
     return values;
 }
+
+inline void qrun_store_floats(float* at, qrun_floats values) { std::memcpy(at, &values, sizeof(values)); }
+#endif
+
 
 extern "C" int qrun_paged_attention(int kv_kind, const float* q, float* out, const void* k_cache,
                                     const void* v_cache, const void* k_scales, const void* v_scales,

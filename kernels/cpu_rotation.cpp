@@ -48,15 +48,15 @@ void walsh_hadamard_vectors(float* x, int64_t n) {
         a = qrun_swap_lanes<2>(a) + a * sign2;
         a = qrun_swap_lanes<4>(a) + a * sign4;
         a = qrun_swap_lanes<8>(a) + a * sign8;
-        std::memcpy(x + v, &a, sizeof(a));
+        qrun_store_floats(x + v, a);
     }
     for (int64_t h = 16; h < n; h *= 2)
         for (int64_t i = 0; i < n; i += 2 * h)
             for (int64_t j = i; j < i + h; j += 16) {
                 const Floats a = qrun_load_floats(x + j), b = qrun_load_floats(x + j + h);
                 const Floats sum = a + b, difference = a - b;
-                std::memcpy(x + j, &sum, sizeof(sum));
-                std::memcpy(x + j + h, &difference, sizeof(difference));
+                qrun_store_floats(x + j, sum);
+                qrun_store_floats(x + j + h, difference);
             }
 }
 
@@ -68,7 +68,7 @@ void mix_columns(const float* a, const float* weights, int64_t odd, int64_t n, i
     for (int v = 0; v < V; v++) sums[v] = weights[0] * qrun_load_floats(a + q + 16 * v);
     for (int64_t j = 1; j < odd; j++)
         for (int v = 0; v < V; v++) sums[v] += weights[j] * qrun_load_floats(a + j * n + q + 16 * v);
-    std::memcpy(row + q, sums, sizeof(sums));
+    for (int v = 0; v < V; v++) qrun_store_floats(row + q + 16 * v, sums[v]);
 }
 
 // b[i, :] = sum_j F[i, j] a[j, :] for a, b [odd, n], F [odd, odd]. 16 columns at a time with the sums in registers
