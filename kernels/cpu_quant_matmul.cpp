@@ -418,44 +418,71 @@ namespace {
 template <bool two_digits>
 constexpr int64_t ROW_TILE = two_digits ? 2 : 3;
 
+// 8 inputs from float32 or bfloat16 (its upper half).
 template <typename In>
-inline float load_input(const In* at) {
-    if constexpr (sizeof(In) == 4) return *at;
-    return std::bit_cast<float>(uint32_t(*at) << 16);
+inline __m256 load8(const In* at) {
+    if constexpr (sizeof(In) == 4) return _mm256_loadu_ps(at);
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 
-// The AVX512 path's quantize_rows, its loops left to the compiler's vectors.
+inline float sum8(__m256 x) {
+    const __m128 quads = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+inline float max8(__m256 x) {
+    const __m128 quads = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 pairs = _mm_max_ps(quads, _mm_movehl_ps(quads, quads));
+    return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+// 8 rounded values in [-127, 127] as int8 digits at `at` (NaN: 0; its group's sum carries it to the output).
+inline void store_digits(int8_t* at, __m256 rounded) {
+    const __m256i words = _mm256_and_si256(_mm256_cvtps_epi32(rounded),
+                                           _mm256_castps_si256(_mm256_cmp_ps(rounded, rounded, _CMP_ORD_Q)));
+    const __m128i shorts = _mm_packs_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(at), _mm_packs_epi16(shorts, shorts));
+}
+
+// The AVX512 path's quantize_rows, 8 inputs at a time. At one row it runs on the calling thread alone while the
+// team waits: as scalar loops it took ~2% of a 4.0-bpw SmolLM2's batch-1 step on a 2-core Zen 3 EPYC.
 template <typename In>
 const QuantizedRows& quantize_rows(const In* x, int64_t rows, int64_t ldx, int64_t k, int64_t group, bool two_digits,
                                    int threads) {
     const int64_t groups = k / group;
     QuantizedRows& q = calling_thread_rows(rows, k, groups, two_digits);
-    // an int8 digit of a rounded value in [-127, 127] (NaN, whose sums carry it to the output: 0)
-    const auto digit = [](float rounded) { return int8_t(std::fabs(rounded) <= 127.f ? rounded : 0.f); };
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     qrun_parallel_for(rows, threads, rows * k >= (1 << 14), [&](int64_t m) {
         for (int64_t g = 0; g < groups; g++) {
             const In* inputs = x + m * ldx + g * group;
-            float top = 0.f, sum = 0.f;
-            for (int64_t i = 0; i < group; i++) {
-                top = std::max(top, std::fabs(load_input(inputs + i)));
-                sum += load_input(inputs + i);
+            __m256 top8 = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            for (int64_t i = 0; i < group; i += 8) {
+                const __m256 values = load8(inputs + i);
+                top8 = _mm256_max_ps(top8, _mm256_and_ps(values, magnitude));
+                sum = _mm256_add_ps(sum, values);
             }
-            const float inverse = top > 0.f ? 127.f / top : 0.f;
-            float rounded_sum = 0.f;
-            for (int64_t i = 0; i < group; i++) {
-                const float scaled = load_input(inputs + i) * inverse, rounded = std::nearbyint(scaled);
+            const float top = max8(top8), step = top / 127.f;
+            const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+            __m256 rounded_sum = _mm256_setzero_ps();
+            for (int64_t i = 0; i < group; i += 8) {
+                const __m256 scaled = _mm256_mul_ps(load8(inputs + i), inverse);
+                const __m256 rounded = _mm256_round_ps(scaled, ROUND);
                 const int64_t at = m * k + g * group + i;
-                q.high[at] = digit(rounded);
-                rounded_sum += rounded;
+                store_digits(q.high.data() + at, rounded);
+                rounded_sum = _mm256_add_ps(rounded_sum, rounded);
                 if (two_digits) {
-                    const float low = std::nearbyint((scaled - rounded) * LOW_STEPS);
-                    q.low[at] = digit(low);
-                    rounded_sum += low * (1.f / LOW_STEPS);
+                    const __m256 low = _mm256_round_ps(
+                        _mm256_mul_ps(_mm256_sub_ps(scaled, rounded), _mm256_set1_ps(LOW_STEPS)), ROUND);
+                    store_digits(q.low.data() + at, low);
+                    rounded_sum = _mm256_fmadd_ps(low, _mm256_set1_ps(1.f / LOW_STEPS), rounded_sum);
                 }
             }
-            q.steps[m * groups + g] = top / 127.f;
-            q.rounded_sums[m * groups + g] = rounded_sum * (top / 127.f);
-            q.group_sums[m * groups + g] = sum;
+            q.steps[m * groups + g] = step;
+            q.rounded_sums[m * groups + g] = sum8(rounded_sum) * step;
+            q.group_sums[m * groups + g] = sum8(sum);
         }
     });
     return q;
