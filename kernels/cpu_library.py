@@ -49,7 +49,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "cpu_model.cpp"))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # in the build's key with the sources
 # QRUN_CPU_ARCH: another -march than this CPU's (native), e.g. x86-64-v3 to run the kernels' AVX2 paths on a CPU with
-# AVX-512 (with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own).
+# AVX-512 (with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2 for torch's own: its
+# float32 matmuls are MKL's, which the other two leave on AVX-512).
 _FLAGS = ("-O3", f"-march={os.environ.get('QRUN_CPU_ARCH', 'native')}", "-fno-math-errno", "-fassociative-math",
           "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
