@@ -449,7 +449,6 @@ inline qrun_floats qrun_load_floats(const float* at) {
 inline void qrun_store_floats(float* at, qrun_floats values) { std::memcpy(at, &values, sizeof(values)); }
 #endif
 
-
 extern "C" int qrun_paged_attention(int kv_kind, const float* q, float* out, const void* k_cache,
                                     const void* v_cache, const void* k_scales, const void* v_scales,
                                     const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,

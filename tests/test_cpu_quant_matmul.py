@@ -85,7 +85,6 @@ def test_each_kernel_computes_a_row_as_if_alone(tile_rows, tile_dequantize_rows,
         assert torch.equal(batched[i:i + 1], op(x[i:i + 1], low, group, n, high, k_high, **kernel))
 
 
-
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 @pytest.mark.parametrize("digits", [1, 2])
 def test_a_row_with_a_non_finite_input_gives_non_finite_outputs_and_leaves_the_others(poison, digits):
@@ -96,6 +95,7 @@ def test_a_row_with_a_non_finite_input_gives_non_finite_outputs_and_leaves_the_o
     assert not got[2].isfinite().any()
     clean = torch.cat([x[:2], x[3:]])
     assert torch.equal(torch.cat([got[:2], got[3:]]), op(clean, low, 64, 48, high, 64, digits=digits))
+
 
 @needs_tiles
 @settings(max_examples=40, deadline=None)
