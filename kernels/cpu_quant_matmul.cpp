@@ -11,8 +11,8 @@
 //          w = (code - center) * scale + zero.
 // A second plane over the first k_high inputs holds the upper digits of 5-8-bit codes, its scales 16x the low
 // plane's: the two digits multiply as one 8-bit code (vpdpbusd's unsigned operand), w = (16 high + low - (16
-// high_center + center)) * scale + zero + high_zero, at the instructions of one 4-bit plane (on AVX2 each digit on
-// its own, as vpmaddubsw's pairs of 8-bit codes could pass its int16 sums).
+// high_center + center)) * scale + zero + high_zero, at the instructions of one 4-bit plane (on AVX2 as well up to
+// 6-bit codes; wider ones a digit at a time, as vpmaddubsw's pairs of their products could pass its int16 sums).
 
 #include <algorithm>
 #include <bit>
@@ -568,9 +568,37 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             w[h][1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
         }
     };
-    // Block b of every tile into the sums, its codes BITS wide (0: the low plane's width, read at run time).
-    const auto multiply_block = [&]<bool upper, int BITS>(int64_t b) {
-        const int low_bits = BITS ? BITS : low_plane.bits;
+    // slice s of a block of upper digits (in a plane of `bits` bits a digit) joined to its low digits w as codes
+    const auto join_upper = [&](const uint8_t* high_block, int bits, int s, __m256i (&w)[2][2]) {
+        const __m256i upper_nibbles = _mm256_set1_epi8(int8_t(0xF0));
+        for (int h = 0; h < 2; h++) {
+            const __m256i bytes = qrun_plane_slice<__m256i>(high_block + 32 * h, bits, s);
+            w[h][0] = _mm256_or_si256(w[h][0], _mm256_and_si256(_mm256_slli_epi16(bytes, 4), upper_nibbles));
+            w[h][1] = _mm256_or_si256(w[h][1], _mm256_and_si256(bytes, upper_nibbles));
+        }
+    };
+    // Slice s of tile t's block (w: its codes, w_upper: their upper digits, where split) times each row's digits of
+    // the block's inputs (`high`, and `low` where two) into the sums.
+    const auto add_slice = [&]<bool split_upper>(int t, int s, const int32_t* high, const int32_t* low,
+                                                 const __m256i (&w)[2][2], const __m256i (&w_upper)[2][2]) {
+        for (int r = 0; r < R; r++) {
+            const int32_t* digits[2] = {high + r * k / 4 + 2 * s, two_digits ? low + r * k / 4 + 2 * s : nullptr};
+            for (int h = 0; h < 2; h++)
+                for (int d = 0; d < (two_digits ? 2 : 1); d++) {
+                    __m256i& sums = d ? low_dot[t][r][h] : high_dot[t][r][h];
+                    sums = _mm256_add_epi32(sums, dot(w[h], digits[d][0], digits[d][1], ones));
+                    if constexpr (split_upper)
+                        sums = _mm256_add_epi32(sums, dot(w_upper[h], digits[d][0], digits[d][1], sixteens));
+                }
+        }
+    };
+    // Block b of every tile into the sums, its codes BITS wide and their upper digits UPPER_BITS (0: the planes'
+    // widths, read at run time). Up to 6-bit codes (upper digits of 1 or 2 bits) multiply whole, as the VNNI path's
+    // do: 4 products of a code below 64 and a digit within +-127 stay below 2^15 in vpmaddubsw's and the nibbles'
+    // int16 sums; wider codes multiply digit by digit.
+    const auto multiply_block = [&]<bool upper, int BITS, int UPPER_BITS>(int64_t b) {
+        const int low_bits = BITS ? BITS : low_plane.bits, upper_bits = UPPER_BITS ? UPPER_BITS : high_plane.bits;
+        const bool whole_codes = upper_bits <= 2;
         const int64_t at = m0 * k + b * BLOCK_K;
         const int32_t* high = reinterpret_cast<const int32_t*>(x.high.data() + at);
         const int32_t* low = two_digits ? reinterpret_cast<const int32_t*>(x.low.data() + at) : nullptr;
@@ -578,31 +606,27 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
             const uint8_t* block = tile_codes[t] + b * block_bytes;
             const uint8_t* high_block = upper ? tile_high_codes[t] + b * high_block_bytes : nullptr;
             prefetch_ahead(block, low_bits);  // a line a bit of the codes' width
-            if constexpr (upper) prefetch_ahead(high_block, high_plane.bits);
+            if constexpr (upper) prefetch_ahead(high_block, upper_bits);
             for (int s = 0; s < 4; s++) {
                 __m256i w[2][2], w_upper[2][2];  // [half][nibble]
                 unpack(block, low_bits, s, w);
-                if constexpr (upper) unpack(high_block, high_plane.bits, s, w_upper);
-                for (int r = 0; r < R; r++) {
-                    const int32_t* digits[2] = {high + r * k / 4 + 2 * s,
-                                                two_digits ? low + r * k / 4 + 2 * s : nullptr};
-                    for (int h = 0; h < 2; h++)
-                        for (int d = 0; d < (two_digits ? 2 : 1); d++) {
-                            __m256i& sums = d ? low_dot[t][r][h] : high_dot[t][r][h];
-                            sums = _mm256_add_epi32(sums, dot(w[h], digits[d][0], digits[d][1], ones));
-                            if constexpr (upper)
-                                sums = _mm256_add_epi32(sums, dot(w_upper[h], digits[d][0], digits[d][1],
-                                                                  sixteens));
-                        }
+                if constexpr (upper) {
+                    if (whole_codes) {
+                        join_upper(high_block, upper_bits, s, w);
+                        add_slice.template operator()<false>(t, s, high, low, w, w);
+                        continue;
+                    }
+                    unpack(high_block, upper_bits, s, w_upper);
                 }
+                add_slice.template operator()<upper>(t, s, high, low, w, w_upper);
             }
         }
     };
     // Groups [first, last): their blocks' sums, then each scaled into the totals.
-    const auto multiply_groups = [&]<bool upper, int BITS>(int64_t first, int64_t last) {
+    const auto scaled_groups = [&]<bool upper, int BITS, int UPPER_BITS>(int64_t first, int64_t last) {
         for (int64_t g = first; g < last; g++) {
             for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; b++)
-                multiply_block.template operator()<upper, BITS>(b);
+                multiply_block.template operator()<upper, BITS, UPPER_BITS>(b);
             const int64_t b = (g + 1) * blocks_per_group - 1;
             const float center = upper ? low_plane.centers[b] + 16.f * high_plane.centers[b] : low_plane.centers[b];
             for (int t = 0; t < T; t++) {
@@ -631,6 +655,12 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
                 }
             }
         }
+    };
+    // the common 6-bit codes (4-bit low digits, 2-bit upper ones) with constant widths, so their slices unroll
+    const auto multiply_groups = [&]<bool upper, int BITS>(int64_t first, int64_t last) {
+        if (upper && low_plane.bits == 4 && high_plane.bits == 2)
+            return scaled_groups.template operator()<upper, 4, 2>(first, last);
+        scaled_groups.template operator()<upper, BITS, 0>(first, last);
     };
     multiply_planes(multiply_groups, low_plane.bits, high_groups, groups);
     for (int t = 0; t < T; t++)

@@ -67,6 +67,27 @@ def test_kernel_matches_the_reference_within_its_input_rounding(shape, rows, dig
     assert ((got - ref).norm() / ref.norm()) < (3e-2 if digits == 1 else 1e-4)
 
 
+@pytest.mark.parametrize("high_bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("digits", [1, 2])
+def test_the_largest_codes_times_the_largest_inputs_do_not_overflow(high_bits, sign, digits):
+    """Every code at its top (15 below 2^high_bits - 1 above) and every input at the largest digit, one sign: the
+    kernel's integer sums at their widest (AVX2 multiplies codes up to 6 bits whole in int16)."""
+    n, k, group = 32, 192, 96
+    scales = torch.full((n, k // group), 0.01).half().float()
+    zeros = torch.zeros(n, k // group)
+
+    def plane(top, plane_scales):
+        return cqm.pack(torch.full((n, k), top), plane_scales, zeros)
+
+    low, high = plane(15, scales), plane(2**high_bits - 1, 16 * scales)
+    for rows in (1, 2, 3, 5):
+        x = torch.full((rows, k), sign)
+        got = cqm.quant_matmul(x, *low, group, n, *high, k, digits)
+        ref = cqm.quant_matmul_ref(x, *low, group, n, *high, k, digits)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tile_rows, tile_dequantize_rows", [(0, 0), pytest.param(1, 0, marks=needs_tiles),
                                                                pytest.param(1, 1, marks=needs_tiles)],
                          ids=["vnni", "amx-codes", "amx-weights"])
