@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import operator
@@ -173,6 +174,9 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.1f MiB)", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.cache_spec.name,
                  num_blocks * config.block_size * self.cache_spec.bytes_per_token(model_config) / 2**20)
+        # Loading leaves Python owing a full collection of what it made (~200,000 objects with SmolLM2: 0.13-0.21 s
+        # on a 2-core EPYC), which it would otherwise run inside a step of some later request, stalling its stream.
+        gc.collect()
 
     def _num_blocks(self) -> int:
         config = self.config

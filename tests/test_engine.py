@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -293,3 +295,11 @@ def test_kv_cache_too_small_for_one_block_is_a_clear_error(tiny_llama_dir):
 
     with pytest.raises(QrunError, match="out of cache memory"):
         LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=100)
+
+
+def test_a_new_engine_has_paid_for_collecting_what_loading_made(tiny_llama_dir):
+    """Python's full collection of the objects loading made runs at load, not inside a later request's step."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8_000_000)
+    younger_collections = gc.get_count()[1:]  # the collections since the last full one, by generation
+    del llm
+    assert younger_collections == (0, 0)
