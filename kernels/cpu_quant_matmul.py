@@ -90,9 +90,10 @@ def available() -> bool:
     and F16C: "the VNNI kernel" names both). On AVX2 a tile's 16 channels are two 8-lane halves and
     vpdpbusd's sums of four byte products are vpmaddubsw's and vpmaddwd's: a 5-6-bit code whole, a
     7-8-bit code's two digits each on its own (its pairs of products could pass vpmaddubsw's int16
-    sums); the same results but for the order of float32 sums. Whole, a 4.0-bpw SmolLM2's 6-bit head
-    took 1.06-1.11 ms at one row in cache against 1.92-2.17 digit by digit (2-core Zen 3 EPYC, one-off
-    probes). Before it, torch's int4 kernel ran there: on this 2-core Xeon
+    sums); the same results but for the order of float32 sums. Whole, and its 4- and 2-bit planes'
+    widths constants, a 4.0-bpw SmolLM2's 6-bit head took 1.06-1.11 ms at one row in cache (Python's
+    call included) against 1.92-2.17 digit by digit with the widths read at run time (2-core Zen 3
+    EPYC, one-off probes). Before it, torch's int4 kernel ran there: on this 2-core Xeon
     with the library built for x86-64-v3 and torch's and oneDNN's kernels held to AVX2
     (`QRUN_CPU_ARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`, float32, no AMX;
     one-off probe, `LLM.generate`, greedy) a 4.0-bpw SmolLM2 ran a 128-token single stream at 234.0
