@@ -658,8 +658,9 @@ void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const
     };
     // the common 6-bit codes (4-bit low digits, 2-bit upper ones) with constant widths, so their slices unroll
     const auto multiply_groups = [&]<bool upper, int BITS>(int64_t first, int64_t last) {
-        if (upper && low_plane.bits == 4 && high_plane.bits == 2)
-            return scaled_groups.template operator()<upper, 4, 2>(first, last);
+        if constexpr (upper)
+            if (low_plane.bits == 4 && high_plane.bits == 2)
+                return scaled_groups.template operator()<true, 4, 2>(first, last);
         scaled_groups.template operator()<upper, BITS, 0>(first, last);
     };
     multiply_planes(multiply_groups, low_plane.bits, high_groups, groups);
