@@ -474,7 +474,8 @@ extern "C" int qrun_apply_rotary(int kind, const void* x, int64_t ld, void* out,
                                  const float* cos_sin, int64_t tokens, int64_t heads, int64_t dim, int threads);
 extern "C" int qrun_silu_and_mul(int kind, const void* gate, const void* up, int64_t ld, void* out, int64_t rows,
                                  int64_t width, int threads);
-extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t width, int64_t* out, int threads);
+extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t width, int64_t* out, int threads,
+                               int not_finite_as_none);
 extern "C" void qrun_draw(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperature,
                           const int64_t* top_k, const float* top_p, const float* min_p, const double* uniforms,
                           int64_t* out, int threads);

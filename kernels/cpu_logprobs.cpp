@@ -72,7 +72,7 @@ double exp_sum_and_best(const float* x, int64_t vocab, float top, Best& best) {
 float row_logprobs(const float* x, int64_t vocab, int64_t token, int64_t top_n, float* values, int64_t* ids) {
     Best best(values, ids, top_n);
     int64_t first;  // the row's first largest value, or its first NaN
-    qrun_first_max(x, vocab, 1, vocab, &first, 1);
+    qrun_first_max(x, vocab, 1, vocab, &first, 1, 0);
     const float top = x[first];
     if (std::isnan(top) || top == -INF) {  // log-softmax is NaN throughout
         std::fill(values, values + top_n, NOT_A_NUMBER);

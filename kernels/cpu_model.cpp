@@ -698,7 +698,7 @@ class StepModel : public torch::CustomClassHolder {
                 if (penalties[r].any() && step_ids[r] >= 0) {
                     float* row = logits.data_ptr<float>() + r * logits.size(1);
                     penalties[r].apply(row);
-                    qrun_first_max(row, logits.size(1), 1, logits.size(1), &step_ids[r], 1);
+                    qrun_first_max(row, logits.size(1), 1, logits.size(1), &step_ids[r], 1, 0);
                 }
             // drawn beside a row whose logits are not finite too, as the engine samples the others of such a step
             if (draws) {
@@ -733,12 +733,10 @@ class StepModel : public torch::CustomClassHolder {
     // where a float16 GEMV's value passed float16's range.
     std::tuple<at::Tensor, std::vector<int64_t>> sampled_step(const std::vector<int64_t>& ids, const StepMeta& meta,
                                                               bool half_gemv, const std::vector<int64_t>& sample_rows) {
-        const at::Tensor logits = step(ids, meta, half_gemv, sample_rows);
-        std::vector<int64_t> first = first_maxima(logits);
+        auto [logits, first] = step(ids, meta, half_gemv, sample_rows);
         const bool took_half_gemv = half_gemv && int64_t(ids.size()) <= max_gemv_rows_;
         if (!took_half_gemv || std::find(first.begin(), first.end(), -1) == first.end()) return {logits, first};
-        const at::Tensor rerun = step(ids, meta, false, sample_rows);
-        return {rerun, first_maxima(rerun)};
+        return step(ids, meta, false, sample_rows);
     }
 
     // `values` as a new tensor of `shape` and dtype (int64 or int32).
@@ -758,9 +756,10 @@ class StepModel : public torch::CustomClassHolder {
     // region; so the logits' widening to float32 waits until the team is released, where the head's kernel does not
     // widen them as it stores them (a bfloat16 4-bit head: torch's widening of SmolLM2's 49,152 logits took ~23 us of
     // a 2.5 ms step on a 2-core Xeon; C++ steps at one row of 200 tokens 1.009x with the kernel widening them,
-    // alternating in one process: one-off probes).
-    at::Tensor step(const std::vector<int64_t>& ids, const StepMeta& meta, bool half_gemv,
-                    const std::vector<int64_t>& sample_rows) {
+    // alternating in one process: one-off probes). Float32 logits' first maxima are found on the team too, each thread
+    // reading the logits it stored (qrun_first_max).
+    std::tuple<at::Tensor, std::vector<int64_t>> step(const std::vector<int64_t>& ids, const StepMeta& meta,
+                                                      bool half_gemv, const std::vector<int64_t>& sample_rows) {
         const int64_t rows = ids.size(), sampled = sample_rows.size();
         const at::ScalarType dtype = embedding_.scalar_type();
         bool every_row = sampled == rows;
@@ -771,6 +770,7 @@ class StepModel : public torch::CustomClassHolder {
                           });
         const bool widened = sampled && head_.widens(sampled, dtype, half_gemv);
         at::Tensor logits;
+        std::vector<int64_t> first;
         const auto layers_and_head = [&] {
             at::Tensor x = embed(ids);
             // zeros, as the eager model's first residual: the first layer adds it
@@ -784,27 +784,23 @@ class StepModel : public torch::CustomClassHolder {
             logits = sampled ? head_(normed, half_gemv, workspace_, Workspace::LOGITS,
                                      widened ? Linear::WIDENED : Linear::AS_INPUT)
                              : at::empty({0, head_.out_features}, normed.options());
+            if (logits.scalar_type() == at::kFloat) first = first_maxima(logits);
         };
         if (held)
             QrunTeam::hold(at::get_num_threads(), layers_and_head);
         else
             layers_and_head();
-        return widened ? logits : logits.to(at::kFloat, false, /*copy=*/true);
+        if (logits.scalar_type() == at::kFloat) return {widened ? logits : logits.clone(), first};
+        logits = logits.to(at::kFloat);
+        return {logits, first_maxima(logits)};
     }
 
     // Each row's first maximum of float32 logits [rows, vocab] (contiguous), -1 where a value is not finite (its
     // exponent bits all set).
     static std::vector<int64_t> first_maxima(const at::Tensor& logits) {
-        const int64_t rows = logits.size(0), vocab = logits.size(1);
-        const float* values = logits.data_ptr<float>();
-        std::vector<int64_t> first(rows);
-        qrun_first_max(values, vocab, rows, vocab, first.data(), at::get_num_threads());
-        for (int64_t r = 0; r < rows; r++) {
-            uint32_t any_not_finite = 0;
-            for (int64_t i = r * vocab; i < (r + 1) * vocab; i++)
-                any_not_finite |= uint32_t((std::bit_cast<uint32_t>(values[i]) & 0x7F800000u) == 0x7F800000u);
-            if (any_not_finite) first[r] = -1;
-        }
+        std::vector<int64_t> first(logits.size(0));
+        qrun_first_max(logits.data_ptr<float>(), logits.size(1), logits.size(0), logits.size(1), first.data(),
+                       at::get_num_threads(), 1);
         return first;
     }
 

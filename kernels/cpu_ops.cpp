@@ -339,7 +339,7 @@ at::Tensor first_max(const at::Tensor& rows) {
                 rows.scalar_type(), " ", rows.sizes());
     at::Tensor out = at::empty({rows.size(0)}, rows.options().dtype(at::kLong));
     qrun_first_max(rows.data_ptr<float>(), rows.stride(0), rows.size(0), rows.size(1), out.data_ptr<int64_t>(),
-                   at::get_num_threads());
+                   at::get_num_threads(), 0);
     return out;
 }
 

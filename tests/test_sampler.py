@@ -54,6 +54,28 @@ def test_first_max_cpu_reads_a_vocabulary_and_strided_rows_as_torch_does():
     assert kernels.ops_for(torch.device("cpu")).first_max is first_max_cpu  # what the sampler takes here
 
 
+@needs_library
+@pytest.mark.parametrize("threads", [2, 3])
+def test_first_max_cpu_splits_fewer_rows_than_threads_and_still_answers_as_torch(threads):
+    """One or two rows as wide as a vocabulary are split over the threads: a maximum tied across
+    their spans answers the first, and a NaN in a later span beats a larger value in an earlier one."""
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(2, 49_157, generator=gen)
+    values[0, [3, 30_000, 49_156]] = 10.0  # tied, one in each span
+    values[1, 40_000] = 10.0  # in the last span alone
+    poisoned = values.clone()
+    poisoned[0, 5] = 20.0
+    poisoned[0, 45_000] = float("nan")
+    poisoned[1, 44_000] = float("inf")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (values[:1], values, poisoned[:1], poisoned, values[1:, :40_001]):
+            assert torch.equal(first_max_cpu(rows), rows.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("params, takes_first_max", [
     (SamplingParams(temperature=0), True),
     (SamplingParams(temperature=0, repetition_penalty=50.0), False),  # penalised: the given maximum is stale
