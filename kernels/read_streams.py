@@ -4,7 +4,8 @@ measured on the machine, at load, not assumed.
 At one or two rows a product is bound by reading its weights, and how many sequential streams a
 core keeps fastest in flight differs by CPU: for the VNNI kernel's 4-bit weights four streams beat
 one on a 2-core Xeon (the 6-bit head of a 4.0-bpw SmolLM2 1.64 -> 1.02 ms), while on a 2-core EPYC
-(Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2 / 1); for the float16 GEMV
+(Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2 / 1; on a Zen 3 EPYC with AVX2
+alone 0.69x / 0.91x / 1x, the counts alternating in one process: a one-off probe); for the float16 GEMV
 of dense models, four beat one on the Xeon (23.5 vs 19.4 GB/s) and two beat four on the EPYC
 (single-stream decode 1.06-1.09x). The streams change no result, only the order of the reads.
 What is timed is what decode steps run: the C++ step at batch 1 where it covers the model
