@@ -128,12 +128,16 @@ extern "C" void qrun_first_max(const float* x, int64_t ld, int64_t rows, int64_t
         });
         return;
     }
-    std::vector<Span> spans(rows * threads);
+    // kept between calls (a decode step makes one); the threads reach the caller's through a pointer, as a
+    // thread_local name is each thread's own
+    thread_local std::vector<Span> kept;
+    kept.assign(rows * threads, Span{});
+    Span* const spans = kept.data();
     const int64_t runs = (width + 15) / 16;
     qrun_parallel(threads, [&](int part, int parts) {
         const int64_t begin = std::min(width, 16 * (runs * part / parts)),
                       end = std::min(width, 16 * (runs * (part + 1) / parts));
         for (int64_t r = 0; r < rows; r++) spans[r * threads + part] = scan(x + r * ld, begin, end);
     });
-    for (int64_t r = 0; r < rows; r++) out[r] = answer(spans.data() + r * threads, threads, not_finite_as_none);
+    for (int64_t r = 0; r < rows; r++) out[r] = answer(spans + r * threads, threads, not_finite_as_none);
 }
