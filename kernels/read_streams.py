@@ -30,20 +30,30 @@ BUDGET_BYTES = 512 << 20  # weights timed at most: beyond any cache but the larg
 
 def fastest_choice(sweep: Callable[[Choice], object], choices: Sequence[Choice], default: Choice, repeats: int = 5,
                    margin: float = 0.03) -> Choice:
-    """The one of `choices` under which `sweep(choice)` is fastest by its median over `repeats` timed
-    runs, the choices interleaved after one untimed run each; `default` (one of them) unless another
-    beats it by `margin`."""
+    """The one of `choices` under which `sweep(choice)` runs fastest against `default`: by the median
+    over `repeats` rounds, each timing every choice once (after one untimed run each; every other
+    round in reverse order), of its time over the default's in the same round. `default` unless
+    another beats it by `margin`.
+
+    Both the ratios and the order matter on a VM whose speed drifts within seconds: on a 2-core Zen 3
+    EPYC, whose 1 and 2 read streams run two 4.0-bpw SmolLM2 steps ~6% apart (per-round ratios
+    0.93-1.22 from the 5th to the 95th percentile), the slower count was chosen in 8 of 60 trials by
+    each count's own median at 5 rounds; by the ratios in one order, in 3 and 8 of 60 at 15 rounds;
+    by the ratios in alternating order, in 6 of 60 at 5 rounds and in none of 120 at 15 (one-off
+    probes, the trials back to back in one process)."""
     for choice in choices:
         sweep(choice)
-    times: dict[Choice, list[float]] = {choice: [] for choice in choices}
-    for _ in range(repeats):
-        for choice in choices:
+    rounds: list[dict[Choice, float]] = []
+    for repeat in range(repeats):
+        times = {}
+        for choice in choices if repeat % 2 == 0 else choices[::-1]:
             start = time.perf_counter()
             sweep(choice)
-            times[choice].append(time.perf_counter() - start)
-    median = {choice: statistics.median(values) for choice, values in times.items()}
-    best = min(median, key=median.__getitem__)
-    return best if median[best] < (1 - margin) * median[default] else default
+            times[choice] = time.perf_counter() - start
+        rounds.append(times)
+    relative = {choice: statistics.median(times[choice] / times[default] for times in rounds) for choice in choices}
+    best = min(relative, key=relative.__getitem__)
+    return best if relative[best] < 1 - margin else default
 
 
 def fastest_read_streams(sweep: Callable[[int], object], repeats: int = 5, margin: float = 0.03) -> int:

@@ -163,10 +163,12 @@ class CpuModel:
         return [tokens[i:i + rows] for i in range(0, len(tokens), rows)], tuple(logprobs)
 
 
-# Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams (SmolLM2 takes
-# less: 3 counts x 6 sweeps of 2 steps, ~0.12 s at 4.0 bpw, ~0.3 s dense); a model whose steps are slower sweeps fewer
-# times, down to one timed sweep a count (16 steps in all, the untimed ones included).
+# Seconds of batch-1 steps a model's load aims to spend choosing each kind of product's read streams, in rounds that
+# time each count once, at most TUNING_ROUNDS (SmolLM2 at 4.0 bpw takes 15 rounds of 3 counts x 2 steps, ~0.5 s on a
+# 2-core Zen 3 EPYC; dense, whose steps are slower, 3 rounds); a model whose steps are slower times fewer rounds, down
+# to one (16 steps in all, the untimed ones included).
 TUNING_SECONDS = 0.5
+TUNING_ROUNDS = 15
 TUNING_STEPS = 2
 
 
@@ -215,7 +217,7 @@ def fastest_cpu_model(model: Transformer, kv_cache: KVCache) -> CpuModel | None:
 def _timed_choice(steps: dict[Choice, CpuModel], rows: int,
                   choose: Callable[[Callable[[Choice], None], int], Choice]) -> Choice:
     """choose(sweep, repeats): sweep(choice) runs TUNING_STEPS steps of `steps[choice]` at `rows` rows (one-token
-    sequences), repeats as many as fit TUNING_SECONDS (at least 1, at most 5)."""
+    sequences), repeats as many as fit TUNING_SECONDS (at least 1, at most TUNING_ROUNDS)."""
     layout = StepLayout(slot_mapping=[0] * rows, block_tables=[0] * rows, table_width=1, seq_lens=[1] * rows,
                         query_start_loc=list(range(rows + 1)))
 
@@ -229,5 +231,5 @@ def _timed_choice(steps: dict[Choice, CpuModel], rows: int,
         start = time.perf_counter()
         sweep(first)
         per_sweep = time.perf_counter() - start
-        repeats = max(1, min(5, int(TUNING_SECONDS / (len(steps) * per_sweep)) - 1))
+        repeats = max(1, min(TUNING_ROUNDS, int(TUNING_SECONDS / (len(steps) * per_sweep)) - 1))
         return choose(sweep, repeats)

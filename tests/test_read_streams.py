@@ -21,6 +21,29 @@ def test_fastest_read_streams_keeps_the_default_unless_another_count_is_clearly_
     assert fastest_read_streams(sweep) == chosen
 
 
+def test_a_count_is_judged_against_the_default_in_the_same_round_not_by_its_own_times(monkeypatch):
+    # the machine slows from round to round; count 2 beats the default only in the slowest round, where its own time
+    # is still the lowest median of the three, while count 1 beats the default by 10% in every round
+    slowdown = [1.0, 2.0, 3.0]
+    against_default = {1: [0.9, 0.9, 0.9], 2: [1.1, 1.1, 0.5], 4: [1.0, 1.0, 1.0]}
+    clock, calls = [0.0], []
+
+    def sweep(streams):
+        rounds_done = len(calls) // 3 - 1  # after one untimed sweep of each count
+        calls.append(streams)
+        if rounds_done >= 0:
+            clock[0] += slowdown[rounds_done] * against_default[streams][rounds_done]
+
+    monkeypatch.setattr(read_streams.time, "perf_counter", lambda: clock[0])
+    assert fastest_read_streams(sweep, repeats=3) == 1
+
+
+def test_every_other_round_times_the_counts_in_reverse_so_none_always_follows_the_same_one():
+    calls = []
+    fastest_read_streams(calls.append, repeats=3)
+    assert calls == [1, 2, 4] + [1, 2, 4] + [4, 2, 1] + [1, 2, 4]
+
+
 def test_fastest_for_times_the_first_products_within_the_budget_in_model_order(monkeypatch):
     calls = []
     monkeypatch.setattr(read_streams, "fastest_read_streams", lambda sweep: sweep(2) or 2)
