@@ -188,19 +188,26 @@ def test_gated_products_give_the_torch_models_logits_at_every_read_stream_count(
 
 
 @pytest.mark.skipif(not cpu_quant_matmul.available(), reason="the 4-bit C++ matmul needs AVX512-VNNI")
-def test_cpu_model_runs_a_quantized_head_as_the_torch_model(calib_file, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_model_runs_a_quantized_head_as_the_torch_model(calib_file, tmp_path, dtype):
     """A vocabulary of a multiple of 16 gives the head the VNNI kernel's planes (the tiny models' 300
-    take the bfloat16 fallback): its two input digits and its high plane."""
+    take the bfloat16 fallback): its two input digits and its high plane. In float32 the head stores
+    its logits in the step's kept buffers: the logits a step returned stay as they were after the next
+    step of as many rows."""
     checkpoint = make_tiny_checkpoint(tmp_path / "llama", "llama", head_dim=64, vocab_size=320)
     converted = tmp_path / "llama-q"
     convert(checkpoint, converted, bits=4.0, preset="fast", calib_rows=8, calib_len=64, calib=[calib_file])
-    llm = engine(converted, dtype="bfloat16")
+    llm = engine(converted, dtype=dtype)
     head = llm.engine.runner.model.lm_head.cpu_matmul
     assert head.planes is not None and head.planes[4] is not None and head.input_digits == 2
-    for batch in (1, 5):
-        (torch_logits, torch_cache), (cpp_logits, cpp_cache) = decode_step_both_ways(llm, batch)
+    kept = None
+    for seed, batch in enumerate((1, 5, 5)):
+        (torch_logits, torch_cache), (cpp_logits, cpp_cache) = step_both_ways(llm, [1] * batch, seed)
         assert torch.equal(cpp_logits, torch_logits)
         assert all(torch.equal(a, b) for a, b in zip(cpp_cache, torch_cache))
+        if kept is not None:
+            assert torch.equal(*kept)  # the last step's logits, untouched
+        kept = (cpp_logits, cpp_logits.clone())
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
