@@ -22,8 +22,8 @@ def test_fastest_read_streams_keeps_the_default_unless_another_count_is_clearly_
 
 
 def test_a_count_is_judged_against_the_default_in_the_same_round_not_by_its_own_times(monkeypatch):
-    # the machine slows from round to round; count 2 beats the default only in the slowest round, where its own time
-    # is still the lowest median of the three, while count 1 beats the default by 10% in every round
+    # the machine slows from round to round; count 2 beats the default only in the slowest round, by enough there that
+    # its own times' median is the lowest of the three, while count 1 beats the default by 10% in every round
     slowdown = [1.0, 2.0, 3.0]
     against_default = {1: [0.9, 0.9, 0.9], 2: [1.1, 1.1, 0.5], 4: [1.0, 1.0, 1.0]}
     clock, calls = [0.0], []
