@@ -232,9 +232,12 @@ struct Output {
 };
 
 // Rows m0 .. m0 + R of y's channel tiles tiles[0 .. T), every input: the weights of a block are unpacked once for
-// the R rows, whose int32 sums stay in registers. The T tiles are read side by side, as separate streams.
+// the R rows, whose int32 sums stay in registers. The T tiles are read side by side, as separate streams. Flattened
+// (every call in it inlined), as its lambdas are written to be: the inliner, left to its budget for the whole file,
+// made the AVX2 path's join_upper a shared function of its own when this file grew by a few functions.
 template <int R, int T, bool two_digits>
-void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
+[[gnu::flatten]] void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out,
+                                const int64_t* tiles) {
     const qrun_plane &low_plane = weights.low, &high_plane = weights.high;
     const int64_t k = low_plane.k, group = weights.group;
     const int64_t groups = k / group, blocks_per_group = group / BLOCK_K, high_groups = high_plane.k / group;
@@ -493,7 +496,17 @@ inline __m256 load_halves(const uint16_t* at) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
 
-// The AVX512 path's Output, its stores a value at a time (a tile's 16 sums once per row and product).
+// 8 floats' bfloat16 bits (qrun_bfloat16_bits) in the low halves of their lanes.
+inline __m256i bfloat16_lanes(__m256 values) {
+    const __m256i bits = _mm256_castps_si256(values);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0),
+                              _mm256_castps_si256(_mm256_cmp_ps(values, values, _CMP_UNORD_Q)));
+}
+
+// The AVX512 path's Output: a tile's 16 sums once per row and product, as two halves.
 struct Output {
     void* y;
     int64_t ldy;
@@ -501,17 +514,25 @@ struct Output {
     int64_t gate_tiles = 0;
 
     void store(int64_t row, int64_t tile, const __m256 (&halves)[2]) const {
-        float values[TILE_N];
-        _mm256_storeu_ps(values, halves[0]);
-        _mm256_storeu_ps(values + 8, halves[1]);
-        if (gate_tiles && tile >= gate_tiles) return store_gated(row * ldy + (tile - gate_tiles) * TILE_N, values);
+        if (gate_tiles && tile >= gate_tiles) {
+            float values[TILE_N];
+            _mm256_storeu_ps(values, halves[0]);
+            _mm256_storeu_ps(values + 8, halves[1]);
+            return store_gated(row * ldy + (tile - gate_tiles) * TILE_N, values);
+        }
         const int64_t at = row * ldy + tile * TILE_N;
-        for (int i = 0; i < TILE_N; i++)
-            if (kind == BFLOAT16)
-                qrun_store_value<QRUN_BF16>(y, at + i, values[i]);
-            else
-                static_cast<float*>(y)[at + i] = kind == BFLOAT16_WIDENED ? qrun_round_value<QRUN_BF16>(values[i])
-                                                                          : values[i];
+        if (kind == BFLOAT16) {
+            // packus interleaves the halves' 128-bit lanes; the permute puts them back in order
+            const __m256i packed = _mm256_packus_epi32(bfloat16_lanes(halves[0]), bfloat16_lanes(halves[1]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + at),
+                                _mm256_permute4x64_epi64(packed, 0xD8));
+            return;
+        }
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(static_cast<float*>(y) + at + 8 * h,
+                             kind == BFLOAT16_WIDENED
+                                 ? _mm256_castsi256_ps(_mm256_slli_epi32(bfloat16_lanes(halves[h]), 16))
+                                 : halves[h]);
     }
 
   private:
@@ -535,7 +556,8 @@ struct Output {
 // most 15 x 127, so the int16 sums of a slice's two nibbles (4 products) stay below 2^15; an 8-bit code's would not,
 // so the high plane's digits sum on their own, scaled by 16 in vpmaddwd.
 template <int R, int T, bool two_digits>
-void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out, const int64_t* tiles) {
+[[gnu::flatten]] void tile_rows(const Weights& weights, const QuantizedRows& x, int64_t m0, const Output& out,
+                                const int64_t* tiles) {
     const qrun_plane &low_plane = weights.low, &high_plane = weights.high;
     const int64_t k = low_plane.k, group = weights.group;
     const int64_t groups = k / group, blocks_per_group = group / BLOCK_K, high_groups = high_plane.k / group;

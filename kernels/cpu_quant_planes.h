@@ -49,36 +49,41 @@ inline bool qrun_planes_fit(const qrun_plane& low, const qrun_plane* high, int64
 namespace qrun_planes {
 
 // The few operations the unpacking needs beyond & and | (GCC's and Clang's vector types have those), for 64-byte
-// (AVX512) and 32-byte (AVX2: half a slice) vectors.
+// (AVX512) and 32-byte (AVX2: half a slice) vectors. Every helper of the unpacking is always inlined: left to the
+// inliner, whose budget is the whole file's growth, GCC once made three_bit_vector a call through the PLT, 20 of them
+// in the AVX2 tile loop, when cpu_quant_matmul.cpp grew by a few functions (the engine's 4.0-bpw single stream on a
+// 2-core Zen 3 EPYC ~0.7x, one-off probes).
 #if defined(__AVX512BW__)
-inline __m512i load(const uint8_t* at, __m512i) { return _mm512_loadu_si512(at); }
-inline __m512i bytes(int value, __m512i) { return _mm512_set1_epi8(char(value)); }
-inline __m512i shift_right(__m512i a, int bits) { return _mm512_srli_epi16(a, unsigned(bits)); }
-inline __m512i shift_left(__m512i a, int bits) { return _mm512_slli_epi16(a, unsigned(bits)); }
+[[gnu::always_inline]] inline __m512i load(const uint8_t* at, __m512i) { return _mm512_loadu_si512(at); }
+[[gnu::always_inline]] inline __m512i bytes(int value, __m512i) { return _mm512_set1_epi8(char(value)); }
+[[gnu::always_inline]] inline __m512i shift_right(__m512i a, int bits) { return _mm512_srli_epi16(a, unsigned(bits)); }
+[[gnu::always_inline]] inline __m512i shift_left(__m512i a, int bits) { return _mm512_slli_epi16(a, unsigned(bits)); }
 #endif
-inline __m256i load(const uint8_t* at, __m256i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); }
-inline __m256i bytes(int value, __m256i) { return _mm256_set1_epi8(char(value)); }
-inline __m256i shift_right(__m256i a, int bits) { return _mm256_srli_epi16(a, bits); }
-inline __m256i shift_left(__m256i a, int bits) { return _mm256_slli_epi16(a, bits); }
+[[gnu::always_inline]] inline __m256i load(const uint8_t* at, __m256i) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+}
+[[gnu::always_inline]] inline __m256i bytes(int value, __m256i) { return _mm256_set1_epi8(char(value)); }
+[[gnu::always_inline]] inline __m256i shift_right(__m256i a, int bits) { return _mm256_srli_epi16(a, bits); }
+[[gnu::always_inline]] inline __m256i shift_left(__m256i a, int bits) { return _mm256_slli_epi16(a, bits); }
 
 // Vectors 2s and 2s + 1 of a 2-bit slice's bytes (s = 0 or 1 within it) as nibbles. The 16-bit shifts bring the next
 // byte's bits into each byte's top, which the masks drop.
 template <typename V>
-inline V pairs_as_nibbles(V packed, int s) {
+[[gnu::always_inline]] inline V pairs_as_nibbles(V packed, int s) {
     const V shifted = shift_right(packed, 4 * s);
     return (shifted & bytes(0x03, V{})) | shift_left(shifted & bytes(0x0C, V{}), 2);
 }
 
 // Vectors 2s and 2s + 1 of a 1-bit slice's bytes as nibbles.
 template <typename V>
-inline V bits_as_nibbles(V packed, int s) {
+[[gnu::always_inline]] inline V bits_as_nibbles(V packed, int s) {
     const V shifted = shift_right(packed, 2 * s);
     return (shifted & bytes(0x01, V{})) | shift_left(shifted & bytes(0x02, V{}), 3);
 }
 
 // Vector q of a 3-bit block (the layout above): a shift and a mask for vectors 0-5, two of each for 6 and 7.
 template <typename V>
-inline V three_bit_vector(const uint8_t* block, int q) {
+[[gnu::always_inline]] inline V three_bit_vector(const uint8_t* block, int q) {
     if (q < 6) return shift_right(load(block + 64 * (q / 2), V{}), 3 * (q % 2)) & bytes(7, V{});
     return (shift_right(load(block + 64 * (q - 6), V{}), 6) & bytes(3, V{})) |
            (shift_right(load(block + 128, V{}), q - 2) & bytes(4, V{}));
