@@ -45,8 +45,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_activation.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_draw.cpp",
                              "cpu_half_gemv.cpp", "cpu_int4.cpp", "cpu_kv_store.cpp", "cpu_logprobs.cpp",
                              "cpu_norm.cpp", "cpu_quant_matmul.cpp", "cpu_quant_matmul_amx.cpp", "cpu_read.cpp",
-                             "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_token_bitmask.cpp", "cpu_ops.cpp",
-                             "cpu_model.cpp"))
+                             "cpu_rotary.cpp", "cpu_rotation.cpp", "cpu_team.cpp", "cpu_token_bitmask.cpp",
+                             "cpu_ops.cpp", "cpu_model.cpp"))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # in the build's key with the sources
 # QRUN_CPU_ARCH: another -march than this CPU's (native), e.g. x86-64-v3 to run the kernels' AVX2 paths on a CPU with
 # AVX-512 (with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2 for torch's own: its

@@ -420,6 +420,17 @@ double multiply_adds(int64_t rounds) {
     return qrun_multiply_adds(rounds, at::get_num_threads());
 }
 
+// Which of `threads` held threads ran each of `count` claimed items, the holder slowed by holder_spin_ns an item
+// (kernels/cpu_team.cpp); for the tests.
+std::vector<int64_t> team_claims(int64_t count, int64_t threads, int64_t holder_spin_ns) {
+    TORCH_CHECK(count >= 0 && count < (int64_t(1) << 31) && threads >= 1 && holder_spin_ns >= 0,
+                "team_claims: count must be in [0, 2^31), threads >= 1 and holder_spin_ns >= 0, got ", count, ", ",
+                threads, " and ", holder_spin_ns);
+    std::vector<int64_t> ran(count);
+    qrun_team_claims(count, int(threads), holder_spin_ns, ran.data());
+    return ran;
+}
+
 at::Tensor first_max_shape(const at::Tensor& rows) {
     return at::empty_symint({rows.sym_size(0)}, rows.options().dtype(at::kLong));
 }
@@ -672,6 +683,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("top_logprobs(Tensor logits, Tensor tokens, int top_n) -> (Tensor, Tensor, Tensor)");
     m.def("read_sum(Tensor x, int streams) -> Tensor");
     m.def("multiply_adds(int rounds) -> float", &multiply_adds);  // no tensors to dispatch on: every backend's
+    m.def("team_claims(int count, int threads, int holder_spin_ns) -> int[]", &team_claims);
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");

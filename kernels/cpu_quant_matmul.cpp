@@ -755,30 +755,30 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
 // SmolLM2 1.64 -> 1.02 ms), on a 2-core EPYC (Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2
 // / 1 streams). So the count is a parameter (kernels/read_streams.py measures it on the model at load).
 
-// Each thread's units in STREAMS runs read side by side, the rest one at a time. A unit is a channel tile, or where
-// the product is gated (Output) a gate tile and its up tile, side by side and stored in that order: STREAMS / 2 runs of
-// them (one at one stream).
+// The units in STREAMS runs read side by side: item j of the first units / runs is unit j of each run, the rest are one
+// unit each; the threads claim items (qrun_parallel_claims). A unit is a channel tile, or where the product is gated
+// (Output) a gate tile and its up tile, side by side and stored in that order: STREAMS / 2 runs of them (one at one
+// stream).
 template <int R, bool two_digits, int STREAMS, bool gated>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int threads) {
     constexpr int TILES = gated ? 2 : 1, RUNS = std::max(1, STREAMS / TILES);
-    const int64_t units = weights.n / TILE_N / TILES;
-    const auto unit_tiles = [units](int64_t unit, int64_t* tiles, int runs) {  // gates first, then their ups
-        tiles[0] = unit;
-        if constexpr (gated) tiles[runs] = units + unit;
-    };
+    const int64_t units = weights.n / TILE_N / TILES, run = units / RUNS;
     // by value: what each thread reads again and again (QrunTeam::run says why)
-    qrun_parallel(threads, [&x, weights, out, units, unit_tiles](int64_t part, int64_t parts) {
-        const int64_t first = units * part / parts, last = units * (part + 1) / parts;
-        const int64_t run = (last - first) / RUNS;
-        for (int64_t j = 0; j < run; j++) {
+    qrun_parallel_claims(run + units % RUNS, threads, [&x, weights, out, units, run](int64_t first, int64_t last) {
+        const auto unit_tiles = [units](int64_t unit, int64_t* tiles, int runs) {  // gates first, then their ups
+            tiles[0] = unit;
+            if constexpr (gated) tiles[runs] = units + unit;
+        };
+        for (int64_t item = first; item < last; item++) {
+            if (item >= run) {
+                int64_t tiles[TILES];
+                unit_tiles(RUNS * run + item - run, tiles, 1);
+                tile_rows<R, TILES, two_digits>(weights, x, 0, out, tiles);
+                continue;
+            }
             int64_t side_by_side[TILES * RUNS];
-            for (int r = 0; r < RUNS; r++) unit_tiles(first + r * run + j, side_by_side + r, RUNS);
+            for (int r = 0; r < RUNS; r++) unit_tiles(r * run + item, side_by_side + r, RUNS);
             tile_rows<R, TILES * RUNS, two_digits>(weights, x, 0, out, side_by_side);
-        }
-        for (int64_t unit = first + RUNS * run; unit < last; unit++) {
-            int64_t tiles[TILES];
-            unit_tiles(unit, tiles, 1);
-            tile_rows<R, TILES, two_digits>(weights, x, 0, out, tiles);
         }
     });
 }

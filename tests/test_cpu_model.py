@@ -171,9 +171,9 @@ def quantized_tiny64(tiny_llama64_dir, calib_file, tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gated_products_give_the_torch_models_logits_at_every_read_stream_count(quantized_tiny64, monkeypatch,
                                                                                streams, dtype):
-    """The VNNI kernel stores the MLP's silu(gate) * up as it multiplies gate/up: at one or two rows each thread
-    reads its gate tiles beside their up tiles, in runs by the stream count; three threads split the 32 pairs
-    unevenly, so some pairs run alone after the runs."""
+    """The VNNI kernel stores the MLP's silu(gate) * up as it multiplies gate/up: at one or two rows the threads
+    claim gate tiles beside their up tiles, in runs by the stream count; three threads share the 32 pairs
+    unevenly."""
     monkeypatch.setattr(cpu_model, "fastest_read_streams", lambda sweep, repeats: streams)
     llm = engine(quantized_tiny64, dtype=dtype)
     threads = torch.get_num_threads()
