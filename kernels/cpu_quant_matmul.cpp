@@ -804,19 +804,21 @@ void quant_matmul(const QuantizedRows& x, int64_t rows, const Weights& weights, 
     constexpr int64_t R = ROW_TILE<two_digits>;
     const int64_t block_rows = std::max<int64_t>(1, ROW_BLOCK_BYTES / weights.low.k / R) * R;
     const int64_t tiles = weights.n / TILE_N, gate_tiles = out.gate_tiles;
-    // a thread's tiles in order: gated, each gate tile and then its up tile (Output)
+    // a unit's tiles in order: gated, a gate tile and then its up tile (Output)
     const int64_t units = gate_tiles ? gate_tiles : tiles;
-    qrun_parallel(threads, [&x, weights, out, rows, block_rows, tiles, gate_tiles, units](int64_t part, int64_t parts) {
-        for (int64_t first = 0; first < rows; first += block_rows) {
-            const int64_t last = std::min(rows, first + block_rows);
-            for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++)
+    for (int64_t first = 0; first < rows; first += block_rows) {
+        const int64_t last = std::min(rows, first + block_rows);
+        // the threads claim units as at one row (few_rows), block by block
+        const auto block = [&x, weights, out, first, last, tiles, gate_tiles](int64_t from, int64_t to) {
+            for (int64_t unit = from; unit < to; unit++)
                 for (int64_t tile = unit; tile < tiles; tile += gate_tiles ? gate_tiles : tiles) {
                     int64_t m0 = first;
                     for (; m0 + R <= last; m0 += R) tile_rows<R, 1, two_digits>(weights, x, m0, out, &tile);
                     remaining_rows<R - 1, two_digits>(last - m0, weights, x, m0, out, tile);
                 }
-        }
-    });
+        };
+        qrun_parallel_claims(units, threads, block);
+    }
 }
 
 }  // namespace
