@@ -50,9 +50,9 @@ inline int qrun_with_kind(int kind, const F& f) {
 // region across two; a step at batch 1 enters ~150. Over SmolLM2's 30 layers of 4-bit products at one row (a C++
 // harness, weights from memory, two threads across complexes): 1.31-1.35 ms a step against 1.46-1.54 ms in a region
 // each; the engine's 4.0-bpw single stream 1.07x (issue 15's notes). Only the kernels that split through
-// qrun_parallel use the team; a region entered while it is held runs on one thread, and a worksharing construct (`omp
-// for`, `omp barrier`) reached on the holding thread alone would wait for the others forever: what a held step calls
-// must split through qrun_parallel only.
+// qrun_parallel or qrun_parallel_claims use the team; a region entered while it is held runs on one thread, and a
+// worksharing construct (`omp for`, `omp barrier`) reached on the holding thread alone would wait for the others
+// forever: what a held step calls must split through those two only.
 class QrunTeam {
   public:
     // step() on the calling thread with a team of `threads` held for it (none at one thread, or when one is held
@@ -66,7 +66,7 @@ class QrunTeam {
         {
             if (omp_get_thread_num() == 0) {
                 team.size_ = omp_get_num_threads();
-                team.claims_.reset(new Claims[team.size_]);
+                team.claims_ = claims_for(team.size_);
                 held() = &team;
                 try {
                     step();
@@ -147,6 +147,18 @@ class QrunTeam {
         static int64_t back(uint64_t range) { return int64_t(range >> 32); }
     };
 
+    // The holding thread's claims, one per team thread, kept from hold to hold: a step holds the team once, and
+    // allocates nothing. Their ranges are written by run_claims before each use.
+    static Claims* claims_for(int size) {
+        thread_local std::unique_ptr<Claims[]> claims;
+        thread_local int capacity = 0;
+        if (capacity < size) {
+            claims.reset(new Claims[size]);
+            capacity = size;
+        }
+        return claims.get();
+    }
+
     template <typename Body>
     void claim(int part, int parts, const Body& body) {
         std::atomic<uint64_t>& mine = claims_[part].range;
@@ -226,7 +238,7 @@ class QrunTeam {
 
     Job job_;
     Counter working_;
-    std::unique_ptr<Claims[]> claims_;  // a thread's, in a line of its own
+    Claims* claims_ = nullptr;  // a thread's, in a line of its own
     int size_ = 1;
 };
 
