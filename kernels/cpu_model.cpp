@@ -203,6 +203,13 @@ struct Linear {
         }
     }
 
+    // Where `rows` rows of `dtype` multiply on the VNNI kernel with a team held, the weights it reads first fetched
+    // into the other threads' caches while the holder runs the serial work before it (QrunTeam::warm): called where
+    // that work begins. gated: as operator() will be asked.
+    void warm(int64_t rows, at::ScalarType dtype, bool half_gemv, bool gated = false) const {
+        if (kind == QUANT && on_library_kernel(rows, dtype, half_gemv)) qrun_ops::warm_quant_matmul(vnni, rows, gated);
+    }
+
     Optional high(size_t i) const { return weights.size() > 4 ? Optional(weights[4 + i]) : std::nullopt; }
 
     // The most rows that may take the float16 GEMV: none but a dense linear's.
@@ -339,6 +346,7 @@ class StepLayer : public torch::CustomClassHolder {
                                             Workspace& workspace) const {
         const at::Tensor x = contiguous(x_in);
         const int64_t rows = x.size(0), hidden = x.size(1);
+        linears_[0].warm(rows, x.scalar_type(), half_gemv);
         at::Tensor normed = workspace.get(Workspace::NORMED, rows, hidden, x.scalar_type());
         at::Tensor residual = workspace.get(Workspace::RESIDUAL, rows, hidden, x.scalar_type());  // may be residual_in
         qrun_ops::add_rms_norm_into(x, contiguous(residual_in), input_norm_, eps_, normed, residual);
@@ -346,7 +354,9 @@ class StepLayer : public torch::CustomClassHolder {
         const at::Tensor qkv = contiguous(linears_[0](normed, half_gemv, workspace, Workspace::QKV));
         const at::Tensor attended = cache_.k_scales ? quantized_attention<T>(qkv, cos_sin, meta, workspace)
                                                     : float_attention<T>(qkv, cos_sin, meta, workspace);
+        linears_[1].warm(rows, attended.scalar_type(), half_gemv);
         const at::Tensor projected = contiguous(linears_[1](attended, half_gemv, workspace, Workspace::PROJECTED));
+        linears_[2].warm(rows, x.scalar_type(), half_gemv, linears_[2].gates(rows, x.scalar_type(), half_gemv));
         qrun_ops::add_rms_norm_into(projected, residual, post_attention_norm_, eps_, normed, residual);
 
         return {linears_[3](gated<T>(normed, half_gemv, workspace), half_gemv, workspace, Workspace::HIDDEN),
@@ -363,9 +373,13 @@ class StepLayer : public torch::CustomClassHolder {
     at::Tensor gated(const at::Tensor& normed, bool half_gemv, Workspace& workspace) const {
         const Linear& gate_up = linears_[2];
         const int64_t rows = normed.size(0);
-        if (gate_up.gates(rows, normed.scalar_type(), half_gemv))
-            return gate_up(normed, half_gemv, workspace, Workspace::GATED, Linear::GATED);
+        if (gate_up.gates(rows, normed.scalar_type(), half_gemv)) {
+            const at::Tensor out = gate_up(normed, half_gemv, workspace, Workspace::GATED, Linear::GATED);
+            linears_[3].warm(rows, out.scalar_type(), half_gemv);
+            return out;
+        }
         const at::Tensor product = contiguous(gate_up(normed, half_gemv, workspace, Workspace::GATE_UP));
+        linears_[3].warm(rows, normed.scalar_type(), half_gemv);
         const int64_t inner = product.size(1) / 2;  // kernels/cpu_activation.cpp
         const at::Tensor out = workspace.get(Workspace::GATED, rows, inner, normed.scalar_type());
         qrun_silu_and_mul(std::is_same_v<T, float> ? QRUN_F32 : QRUN_BF16, product.data_ptr(),
@@ -787,6 +801,7 @@ class StepModel : public torch::CustomClassHolder {
             at::Tensor residual = workspace_.get(Workspace::RESIDUAL, x.size(0), x.size(1), x.scalar_type()).zero_();
             for (const auto& layer : layers_)
                 std::tie(x, residual) = layer->forward(x, residual, cos_sin_, meta, half_gemv, workspace_);
+            head_.warm(sampled, x.scalar_type(), half_gemv);
             at::Tensor normed = workspace_.get(Workspace::NORMED, x.size(0), x.size(1), x.scalar_type());
             qrun_ops::add_rms_norm_into(contiguous(x), residual, final_norm_, eps_, normed, residual);
             if (!every_row)  // the head multiplies only the rows that sample, as the engine's compute_logits

@@ -431,6 +431,15 @@ std::vector<int64_t> team_claims(int64_t count, int64_t threads, int64_t holder_
     return ran;
 }
 
+// Which of `threads` held threads ran a warm posted between two jobs, and whether the job ended it
+// (kernels/cpu_team.cpp); for the tests.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> team_warm(int64_t threads) {
+    TORCH_CHECK(threads >= 1 && threads <= 64, "team_warm: threads must be in [1, 64], got ", threads);
+    std::vector<int64_t> warmed(threads), stopped(threads);
+    qrun_team_warm(int(threads), warmed.data(), stopped.data());
+    return {warmed, stopped};
+}
+
 at::Tensor first_max_shape(const at::Tensor& rows) {
     return at::empty_symint({rows.sym_size(0)}, rows.options().dtype(at::kLong));
 }
@@ -617,6 +626,11 @@ void quant_matmul_vnni(const QuantPlanes& planes, const at::Tensor& x, at::Tenso
                 " (status ", status, ")");
 }
 
+void warm_quant_matmul(const QuantPlanes& planes, int64_t rows, bool gated) {
+    qrun_quant_matmul_warm(&planes.low, planes.high_or_null(), gated, rows, planes.n, planes.group,
+                           planes.read_streams);
+}
+
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out) {
     TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
                     out.is_contiguous() && out.numel() == values.numel(),
@@ -684,6 +698,7 @@ TORCH_LIBRARY_FRAGMENT(qrun, m) {
     m.def("read_sum(Tensor x, int streams) -> Tensor");
     m.def("multiply_adds(int rounds) -> float", &multiply_adds);  // no tensors to dispatch on: every backend's
     m.def("team_claims(int count, int threads, int holder_spin_ns) -> int[]", &team_claims);
+    m.def("team_warm(int threads) -> (int[], int[])", &team_warm);
     m.def("half_gemv(Tensor x, Tensor weight, Tensor? bias, int read_streams=4) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");

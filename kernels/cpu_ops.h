@@ -62,6 +62,7 @@ QuantPlanes vnni_planes(const at::Tensor& codes, const at::Tensor& scales, const
 // multiple of 32; y of x's dtype): y [rows, n / 2] = silu of the product's first n / 2 columns times its last, as
 // kernels/cpu_activation.cpp computes it from the rounded product, with no pass of its own.
 void quant_matmul_vnni(const QuantPlanes& planes, const at::Tensor& x, at::Tensor& y, bool gated = false);
+void warm_quant_matmul(const QuantPlanes& planes, int64_t rows, bool gated);
 
 // out (bfloat16, values' shape, contiguous) = float32 values rounded to nearest even, as torch rounds.
 void to_bfloat16_into(const at::Tensor& values, at::Tensor& out);

@@ -1,5 +1,6 @@
-"""The step's held team (kernels/cpu_kernels.h's QrunTeam) runs every item of a claimed loop exactly once, and its
-threads take over the items of one that falls behind."""
+"""The step's held team (kernels/cpu_kernels.h's QrunTeam) runs every item of a claimed loop exactly once, its
+threads take over the items of one that falls behind, and its waiting threads warm ahead of the next job until it
+comes."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def test_the_other_threads_take_the_items_of_a_holder_that_falls_behind():
 def test_team_claims_refuses_a_negative_count():
     with pytest.raises(RuntimeError, match="count must be in"):
         torch.ops.qrun.team_claims(-1, 2, 0)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_each_waiting_thread_warms_once_between_jobs_until_the_next_job_comes(threads):
+    warmed, stopped = torch.ops.qrun.team_warm(threads)
+    # the holder never warms; each other thread runs the first warm posted between two jobs once (1), not the second
+    # (100), and leaves it when the job comes rather than at its 2 s limit
+    assert warmed == [0] + [1] * (threads - 1)
+    assert stopped == [0] + [1] * (threads - 1)
+
+
+def test_a_team_of_one_thread_warms_nothing():
+    assert torch.ops.qrun.team_warm(1) == ([0], [0])
