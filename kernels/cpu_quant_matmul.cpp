@@ -801,8 +801,16 @@ void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out,
 // cache (QrunTeam::warm's probes: 192 KiB 1.016x, this 1.032x and 1.048x).
 constexpr int64_t WARM_BYTES = 384 << 10;
 
-inline void warm_lines(const void* begin, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(static_cast<const char*>(begin) + at, _MM_HINT_T1);
+// The lines of `bytes` at `begin` fetched into L2 while waiting() holds, checked every WARM_CHECK bytes: a fetch that
+// finds the core's queue of misses full waits for a slot, so a long run of them would hold up the job they prepare.
+constexpr int64_t WARM_CHECK = 1024;
+
+inline bool warm_lines(const void* begin, int64_t bytes, const QrunTeam::Waiting& waiting) {
+    for (int64_t at = 0; at < bytes; at += 64) {
+        if (at % WARM_CHECK == 0 && !waiting()) return false;
+        _mm_prefetch(static_cast<const char*>(begin) + at, _MM_HINT_T1);
+    }
+    return true;
 }
 
 // The tiles few_rows' thread `part` claims first (its own run, from the front) fetched into its core's L2 cache:
@@ -819,12 +827,14 @@ void warm_few_rows(const Weights& weights, int part, int parts, const QrunTeam::
             for (const qrun_plane* plane : {&weights.low, &weights.high}) {
                 if (!plane->codes) continue;
                 const int64_t groups = plane->k / weights.group, bytes = plane->k / BLOCK_K * plane->block_bytes();
-                warm_lines(plane->block(tiles[t], 0), bytes);
-                warm_lines(plane->scales + tiles[t] * groups * TILE_N, groups * TILE_N * sizeof(uint16_t));
-                warm_lines(plane->zeros + tiles[t] * groups * TILE_N, groups * TILE_N * sizeof(uint16_t));
+                const int64_t scale_bytes = groups * TILE_N * sizeof(uint16_t);
+                if (!warm_lines(plane->block(tiles[t], 0), bytes, waiting) ||
+                    !warm_lines(plane->scales + tiles[t] * groups * TILE_N, scale_bytes, waiting) ||
+                    !warm_lines(plane->zeros + tiles[t] * groups * TILE_N, scale_bytes, waiting))
+                    return;
                 warmed += bytes;
             }
-        if (!waiting() || warmed >= WARM_BYTES) return;
+        if (warmed >= WARM_BYTES) return;
     }
 }
 
@@ -928,12 +938,12 @@ extern "C" int qrun_quant_matmul_upper_digits(const uint16_t* scales, const uint
 }
 
 // The weights qrun_quant_matmul reads first on each of the held team's other threads, for `rows` rows (one or two;
-// more: nothing) and its other arguments, fetched into their caches while they wait for it (QrunTeam::warm). Nothing
+// else nothing) and its other arguments, fetched into their caches while they wait for it (QrunTeam::warm). Nothing
 // where no team is held or the planes do not fit.
 extern "C" void qrun_quant_matmul_warm(const qrun_plane* low, const qrun_plane* high, int gated, int64_t rows,
                                        int64_t n, int64_t group, int read_streams) {
 #ifdef QRUN_HAS_PRODUCT
-    if (rows > 2 || !qrun_planes_fit(*low, high, n, group) || (gated && n % (2 * TILE_N))) return;
+    if (rows < 1 || rows > 2 || !qrun_planes_fit(*low, high, n, group) || (gated && n % (2 * TILE_N))) return;
     const Weights weights{*low, high ? *high : qrun_plane{.k = 0}, n, group};
     gated ? warm_few_rows<true>(weights, read_streams) : warm_few_rows<false>(weights, read_streams);
 #endif
