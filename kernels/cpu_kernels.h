@@ -272,11 +272,12 @@ class QrunTeam {
         for (int64_t seen = 0, warmed = 0;;) {
             int64_t now;
             while ((now = job_.posted.load(std::memory_order_acquire)) == seen) {
-                if (warm_.posted.load(std::memory_order_acquire) == warmed) {
+                const int64_t posted_warm = warm_.posted.load(std::memory_order_acquire);
+                if (posted_warm == warmed) {
                     pause();
                     continue;
                 }
-                warmed = warm_.posted.load(std::memory_order_relaxed);
+                warmed = posted_warm;
                 warm_.call(warm_.state, part, size_, Waiting(job_.posted, seen));
             }
             seen = now;

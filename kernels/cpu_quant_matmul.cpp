@@ -755,6 +755,14 @@ void remaining_rows(int64_t left, const Weights& weights, const QuantizedRows& x
 // SmolLM2 1.64 -> 1.02 ms), on a 2-core EPYC (Zen 4) fewer did (single-stream decode 154 / 172 / 177 tok/s at 4 / 2
 // / 1 streams). So the count is a parameter (kernels/read_streams.py measures it on the model at load).
 
+// f(std::integral_constant<int, STREAMS>) for a product's read streams at one or two rows (1, 2 or 4).
+template <typename F>
+void with_read_streams(int streams, const F& f) {
+    if (streams == 1) return f(std::integral_constant<int, 1>{});
+    if (streams == 2) return f(std::integral_constant<int, 2>{});
+    f(std::integral_constant<int, 4>{});
+}
+
 // The units in STREAMS runs read side by side: item j of the first units / runs is unit j of each run, the rest are one
 // unit each; the threads claim items (qrun_parallel_claims). A unit is a channel tile, or where the product is gated
 // (Output) a gate tile and its up tile, side by side and stored in that order: STREAMS / 2 runs of them (one at one
@@ -798,7 +806,7 @@ void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out,
 }
 
 // The most bytes of codes a thread warms ahead of a product (QrunTeam::warm): three quarters of a Zen 3 core's L2
-// cache (QrunTeam::warm's probes: 192 KiB 1.016x, this 1.032x and 1.048x).
+// cache (QrunTeam::warm's probes: 192 KiB 1.010x and 1.016x, this 1.032x and 1.048x).
 constexpr int64_t WARM_BYTES = 384 << 10;
 
 // The lines of `bytes` at `begin` fetched into L2 while waiting() holds, checked every WARM_CHECK bytes: a fetch that
@@ -844,18 +852,18 @@ void warm_few_rows(const Weights& weights, int streams) {
     QrunTeam* team = QrunTeam::held();
     if (!team) return;
     const auto warm = [weights, streams](int part, int parts, const QrunTeam::Waiting& waiting) {
-        if (streams == 1) return warm_few_rows<1, gated>(weights, part, parts, waiting);
-        if (streams == 2) return warm_few_rows<2, gated>(weights, part, parts, waiting);
-        warm_few_rows<4, gated>(weights, part, parts, waiting);
+        with_read_streams(streams, [&](auto count) {
+            warm_few_rows<decltype(count)::value, gated>(weights, part, parts, waiting);
+        });
     };
     team->warm(warm);
 }
 
 template <int R, bool two_digits, bool gated>
 void few_rows(const QuantizedRows& x, const Weights& weights, const Output& out, int streams, int threads) {
-    if (streams == 1) return few_rows<R, two_digits, 1, gated>(x, weights, out, threads);
-    if (streams == 2) return few_rows<R, two_digits, 2, gated>(x, weights, out, threads);
-    few_rows<R, two_digits, 4, gated>(x, weights, out, threads);
+    with_read_streams(streams, [&](auto count) {
+        few_rows<R, two_digits, decltype(count)::value, gated>(x, weights, out, threads);
+    });
 }
 
 template <int R, bool two_digits>
